@@ -1,0 +1,133 @@
+"""``ringstream`` command line: serve, generate, status, demo."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+import msgspec
+
+
+def _add_address(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--socket", help="daemon address (default: the instance's ipc socket)")
+    parser.add_argument("--instance", default="default", help="daemon instance name (default: %(default)s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ringstream", description="Host-local LLM inference daemon.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the daemon in the foreground")
+    serve.add_argument("--config", help="TOML config file")
+    serve.add_argument("--socket", help="client address: ipc://PATH or tcp://127.0.0.1:PORT")
+    serve.add_argument("--instance", help="instance name (scopes socket and ring names)")
+    serve.add_argument("--model", help="local Hugging Face causal-LM directory (default: built-in model)")
+    serve.add_argument("--devices", help="auto | cpu | cpu,cpu | cuda:0,cuda:1")
+    serve.add_argument("--engine", choices=["hf"], help="engine backend")
+    serve.add_argument("--max-concurrency", type=int, help="running requests per worker")
+    serve.add_argument("--queue-size", type=int, help="waiting requests at most")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+    gen = sub.add_parser("generate", help="stream one generation to stdout")
+    _add_address(gen)
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.8)
+    gen.add_argument("--top-p", type=float, default=0.95)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--priority", type=int, default=0, help="lower is served first")
+    gen.add_argument("--json", action="store_true", help="print each chunk as a JSON line")
+
+    status = sub.add_parser("status", help="live figures of a running daemon")
+    _add_address(status)
+    status.add_argument("--json", action="store_true")
+
+    demo = sub.add_parser("demo", help="start a daemon on the built-in model, stream a batch, summarise, stop")
+    demo.add_argument("--model", help="model directory (default: built-in model)")
+    demo.add_argument("--devices", default="cpu")
+    demo.add_argument("--requests", type=int, default=16)
+    demo.add_argument("--max-tokens", type=int, default=48)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    match args.command:
+        case "serve":
+            return _serve(args)
+        case "generate":
+            return _generate(args)
+        case "status":
+            return _status(args)
+        case "demo":
+            from daemon.demo import run_demo
+
+            return asyncio.run(run_demo(args.model, args.devices, args.requests, args.max_tokens))
+    return 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from daemon.config import load_config
+    from daemon.front import serve
+
+    try:
+        config = load_config(
+            args.config, socket=args.socket, instance=args.instance, model=args.model, devices=args.devices,
+            engine=args.engine, max_concurrency=args.max_concurrency, queue_size=args.queue_size,
+            log_level=args.log_level,
+        )
+    except ValueError as exc:
+        print(f"ringstream: {exc}", file=sys.stderr)
+        return 2
+    return serve(config)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from ipc.client import Client, RingstreamError
+
+    params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                  seed=args.seed, stop=args.stop, priority=args.priority)
+    try:
+        with Client(args.socket, instance=args.instance) as client:
+            for chunk in client.generate(args.prompt, **params):
+                if args.json:
+                    sys.stdout.write(msgspec.json.encode(msgspec.to_builtins(chunk)).decode() + "\n")
+                else:
+                    sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                last = chunk
+    except (RingstreamError, msgspec.ValidationError) as exc:
+        print(f"\nringstream: {exc}", file=sys.stderr)
+        return 1
+    if not args.json:
+        print(f"\n[{last.finish_reason}; {last.usage.completion_tokens} tokens]", file=sys.stderr)
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from ipc.client import Client, RingstreamError
+
+    try:
+        with Client(args.socket, instance=args.instance, timeout_s=5.0) as client:
+            reply = client.status()
+    except RingstreamError as exc:
+        print(f"ringstream: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(msgspec.json.format(msgspec.json.encode(reply), indent=2).decode())
+        return 0
+    print(f"ringstream {reply.version}: {reply.state}, up {reply.uptime_s:.0f} s; "
+          f"{reply.running} running, {reply.waiting} waiting (queue {reply.queue_size}); "
+          f"{reply.requests_total} requests, {reply.tokens_generated_total} tokens")
+    for w in reply.workers:
+        print(f"  worker {w.index} {w.device} pid {w.pid} {'alive' if w.alive else 'DEAD'}: "
+              f"{w.running}/{w.max_num_seqs} running, KV {w.kv_cache_tokens_used}/{w.kv_cache_tokens} tokens, "
+              f"ring {w.ring_fill:.0%}, served {w.requests_served}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

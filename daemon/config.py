@@ -1,0 +1,151 @@
+"""Daemon configuration: one msgspec Struct, loaded from TOML and CLI flags.
+
+Every field has a default, so an empty file (or none) is a valid config.
+:meth:`Config.check` raises :class:`ValueError` naming the bad value.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from ipc.address import default_socket, runtime_dir  # noqa: F401  (re-exported)
+
+INSTANCE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+TCP_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Settings of one ringstream daemon instance."""
+
+    instance: str = "default"
+    """Instance name; scopes the socket path and the /dev/shm ring names."""
+    socket: str | None = None
+    """ZeroMQ address clients connect to. Default: ``ipc://$RUNTIME_DIRECTORY/ringstream.sock``
+    under systemd, else ``ipc://$XDG_RUNTIME_DIR/ringstream/<instance>.sock`` (or a temp dir)."""
+    socket_mode: int = 0o600
+    """File mode of the ipc socket and the rings (0o600 owner only, 0o660 with the group)."""
+    model: str | None = None
+    """Local Hugging Face causal-LM directory; None = the built-in default model."""
+    devices: str = "auto"
+    """``auto`` (every visible CUDA GPU, else one CPU worker), ``cpu``, ``cpu,cpu``, ``cuda:0,cuda:1``."""
+    engine: Literal["hf"] = "hf"
+    """Engine backend: ``hf`` = slot-based continuous batching over a Hugging Face model."""
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    """Weights/activations dtype; ``auto`` = float32 on CPU, bfloat16 on CUDA."""
+    max_concurrency: int = 64
+    """Requests running at once per worker (the engine's ``max_num_seqs``)."""
+    max_num_batched_tokens: int = 2048
+    """Prompt tokens one engine step may prefill."""
+    queue_size: int = 10_000
+    """Requests waiting at most (all workers); a request beyond it gets ``QUEUE_FULL`` at once."""
+    client_timeout_s: float = 10.0
+    """A client with open requests that sends nothing for this long is gone: its requests are cancelled."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM, running streams get this long to finish before they end with ``shutdown``."""
+    worker_start_timeout_s: float = 300.0
+    """A worker that has not loaded its model and warmed up by then fails the start."""
+    worker_heartbeat_s: float = 1.0
+    """Period of a worker's heartbeat (and of its front-liveness check) when idle."""
+    ring_bytes: int = 4 * 1024 * 1024
+    """Data bytes of each worker's token ring (a power of two)."""
+    worker_threads: int = 0
+    """torch intra-op threads per CPU worker; 0 = the host's cores divided among the CPU workers."""
+    seed: int = 0
+    """Seed of the workers' sampling generator for requests that give none."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    def check(self) -> "Config":
+        """Validate every field; returns self. Raises ValueError naming the bad value."""
+        if not INSTANCE_RE.match(self.instance):
+            raise ValueError(f"instance {self.instance!r}: use 1-64 letters, digits, '_', '.', '-'")
+        if self.socket is not None:
+            check_socket_address(self.socket)
+        if not 0 <= self.socket_mode <= 0o777:
+            raise ValueError(f"socket_mode {self.socket_mode:o}: not a file mode")
+        for name in ("max_concurrency", "max_num_batched_tokens", "queue_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} = {getattr(self, name)}: must be >= 1")
+        for name in ("client_timeout_s", "drain_timeout_s", "worker_start_timeout_s", "worker_heartbeat_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} = {getattr(self, name)}: must be > 0 seconds")
+        if self.ring_bytes < 4096 or self.ring_bytes & (self.ring_bytes - 1):
+            raise ValueError(f"ring_bytes = {self.ring_bytes}: must be a power of two >= 4096")
+        if self.worker_threads < 0:
+            raise ValueError(f"worker_threads = {self.worker_threads}: must be >= 0")
+        parse_devices(self.devices)
+        return self
+
+    def address(self) -> str:
+        """The client socket address in force (explicit or default)."""
+        return self.socket or default_socket(self.instance)
+
+
+def check_socket_address(address: str) -> None:
+    """Accept ``ipc://PATH`` and loopback ``tcp://HOST:PORT``; raise ValueError otherwise.
+
+    A non-loopback TCP bind would expose the daemon to the network; it needs
+    CURVE authentication, which this version does not configure.
+    """
+    if address.startswith("ipc://"):
+        if len(address) <= len("ipc://"):
+            raise ValueError(f"socket {address!r}: empty ipc path")
+        return
+    if address.startswith("tcp://"):
+        host = address[len("tcp://"):].rsplit(":", 1)[0]
+        if host not in TCP_LOOPBACK_HOSTS and not host.startswith("127."):
+            raise ValueError(f"socket {address!r}: TCP binds loopback only (non-loopback needs CURVE keys)")
+        return
+    raise ValueError(f"socket {address!r}: use ipc://PATH or tcp://127.0.0.1:PORT")
+
+
+def parse_devices(spec: str) -> list[str]:
+    """``"cpu,cpu"`` -> ``["cpu", "cpu"]``; ``auto`` -> CUDA GPUs seen by the driver, else ``["cpu"]``.
+
+    ``auto`` reads /proc/driver/nvidia/gpus (and ``CUDA_VISIBLE_DEVICES``) so
+    that the front never imports torch. Raises ValueError for an unknown device.
+    """
+    spec = spec.strip()
+    if spec == "auto":
+        count = visible_cuda_devices()
+        return [f"cuda:{i}" for i in range(count)] if count else ["cpu"]
+    devices = [d.strip() for d in spec.split(",")]
+    for device in devices:
+        if device != "cpu" and not re.fullmatch(r"cuda:\d{1,2}", device):
+            raise ValueError(f"device {device!r} in {spec!r}: use auto, cpu or cuda:N")
+    if not devices or len(devices) > 64:
+        raise ValueError(f"devices {spec!r}: give 1 to 64 devices")
+    return devices
+
+
+def visible_cuda_devices() -> int:
+    """Number of NVIDIA GPUs this process may use, without importing torch."""
+    gpus = Path("/proc/driver/nvidia/gpus")
+    count = len(list(gpus.iterdir())) if gpus.is_dir() else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = min(count, len([v for v in visible.split(",") if v.strip() and v.strip() != "-1"]))
+    return count
+
+
+def load_config(path: str | Path | None = None, **overrides) -> Config:
+    """Read a TOML config file (or none) and apply non-None ``overrides``.
+
+    Raises ValueError for unknown keys, wrong types or bad values, naming them.
+    """
+    data: dict = {}
+    if path is not None:
+        try:
+            data = msgspec.toml.decode(Path(path).read_bytes())
+        except (OSError, msgspec.DecodeError) as exc:
+            raise ValueError(f"config {path}: {exc}") from exc
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        config = msgspec.convert(data, Config)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"config{f' {path}' if path else ''}: {exc}") from exc
+    return config.check()

@@ -1,0 +1,561 @@
+"""The front process: client socket, request lifecycle, ring reading.
+
+One asyncio loop (uvloop) owns everything here:
+
+* a ZeroMQ ROUTER socket for clients (``ROUTER_MANDATORY``: a send to a gone
+  peer raises instead of vanishing; a send at the high-water mark raises
+  EAGAIN and the chunk stays pending, coalesced with later tokens, and is
+  retried: nothing is dropped silently);
+* a PULL socket on which workers report readiness, heartbeats and doorbells;
+* the rings: on a doorbell the front reads every published record, turns them
+  into one ``Chunk`` per request (tokens that arrived together travel
+  together), frees the ring space, then re-arms the doorbell.
+
+Lifecycle of a request: accept (decode, validate, tokenise) -> waiting ->
+running on a worker -> streamed -> exactly one terminal message (a ``Chunk``
+with ``finish_reason``, or an ``Error``). The front never blocks on a worker
+and never polls: it sleeps until a socket, a sentinel or a timer wakes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import itertools
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from daemon import __version__
+from daemon.config import Config, parse_devices, runtime_dir
+from daemon.model import ModelInfo, load_tokenizer, resolve_model_dir
+from daemon.scheduler import Scheduler, WorkerBudget
+from daemon.supervisor import (
+    InstanceLock, StartupError, WorkerProcess, create_workers, release_workers, spawn, stop_process,
+)
+from daemon.validate import RequestRejected, Validator
+from ipc import protocol as P
+from ipc.ring import KIND_ERROR, KIND_FINISH, KIND_TOKEN
+
+log = logging.getLogger("ringstream.front")
+
+HOUSEKEEPING_S = 0.25
+"""Period of the timer that checks client timeouts and worker start deadlines."""
+RETRY_SEND_S = 0.002
+"""Delay before retrying chunks that met a full client queue (EAGAIN)."""
+CLIENT_SNDHWM = 100_000
+"""Per-client queued messages before sends raise EAGAIN (then chunks coalesce)."""
+ABORT_GRACE_S = 2.0
+"""At shutdown, how long aborted streams get to be confirmed by their worker."""
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """A client request as the front tracks it (all times from ``time.monotonic``)."""
+
+    client: bytes
+    id: str
+    handle: int
+    msg: P.Generate
+    prompt_token_ids: list[int]
+    arrival: float
+    worker: int | None = None
+    dispatched: float = 0.0
+    first_token: float = 0.0
+    next_token_seq: int = 0
+    chunk_seq: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    pending_text: list[str] = field(default_factory=list)
+    pending_ids: list[int] = field(default_factory=list)
+    final: P.Chunk | P.Error | None = None
+    abort_reason: P.FinishReason | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.msg.max_tokens
+
+
+@dataclass(slots=True)
+class ClientState:
+    """Requests open for one client identity, and when it last spoke."""
+
+    last_seen: float
+    requests: dict[str, Request] = field(default_factory=dict)
+    blocked_since: float = 0.0
+
+
+class Front:
+    """The daemon's front process; ``await Front(config).run()`` serves until a stop signal."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.state = "starting"
+        self.started = time.monotonic()
+        self.stop_event = asyncio.Event()
+        self.exit_code = 0
+        self.ctx = zmq.asyncio.Context()
+        self.clients: dict[bytes, ClientState] = {}
+        self.by_handle: dict[int, Request] = {}
+        self.handles = itertools.count(1)
+        self.scheduler = Scheduler(config.queue_size, config.max_concurrency)
+        self.blocked: dict[int, Request] = {}
+        self.retry_scheduled = False
+        self.workers: list[WorkerProcess] = []
+        self.counters = dict(requests_total=0, tokens_generated_total=0, dropped_frames_total=0,
+                             invalid_requests_total=0, stale_records_total=0)
+        self.model: ModelInfo | None = None
+        self.validator: Validator | None = None
+        self.lock: InstanceLock | None = None
+        self.router: zmq.asyncio.Socket | None = None
+        self.events: zmq.asyncio.Socket | None = None
+
+    # ------------------------------------------------------------ start / stop
+
+    async def run(self) -> int:
+        """Start workers, serve until SIGTERM/SIGINT, drain, stop. Returns the exit code."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        tasks = []
+        try:
+            self._setup()
+            tasks = [asyncio.create_task(coro) for coro in (self._client_loop(), self._event_loop(), self._housekeeping())]
+            await self.stop_event.wait()
+            await self._drain()
+        except StartupError as exc:
+            log.error("start failed: %s", exc)
+            self.exit_code = 1
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._teardown()
+        return self.exit_code
+
+    def request_stop(self, exit_code: int = 0) -> None:
+        """Begin a graceful stop (signal handlers call this; it only sets state)."""
+        if not self.stop_event.is_set():
+            log.info("stopping: draining running streams (up to %.0f s)", self.config.drain_timeout_s)
+            self.exit_code = self.exit_code or exit_code
+            self.stop_event.set()
+
+    def _setup(self) -> None:
+        config = self.config
+        rundir = runtime_dir()
+        rundir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.lock = InstanceLock(rundir / f"{config.instance}.lock")
+        try:
+            self.model = resolve_model_dir(config.model)
+            self.validator = Validator(load_tokenizer(self.model), self.model)
+        except Exception as exc:
+            raise StartupError(str(exc)) from exc
+        devices = parse_devices(config.devices)
+        self.events = self.ctx.socket(zmq.PULL)
+        event_address = f"ipc://{rundir / f'{config.instance}.events'}"
+        self.events.bind(event_address)
+        self.workers = create_workers(config, devices, str(self.model.path), self.ctx, rundir, event_address)
+        self.scheduler.workers = [WorkerBudget(w.index) for w in self.workers]
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.router.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)
+        self.router.setsockopt(zmq.SNDHWM, CLIENT_SNDHWM)
+        self.router.setsockopt(zmq.LINGER, 0)
+        address = config.address()
+        if address.startswith("ipc://"):
+            os.makedirs(os.path.dirname(address[len("ipc://"):]), mode=0o700, exist_ok=True)
+        self.router.bind(address)
+        if address.startswith("ipc://"):
+            os.chmod(address[len("ipc://"):], config.socket_mode)
+        loop = asyncio.get_running_loop()
+        for worker in self.workers:
+            worker.ring.arm()
+            spawn(worker)
+            loop.add_reader(worker.process.sentinel, self._on_worker_exit, worker)
+        log.info("listening on %s; model %s; %d worker(s) on %s", address, self.model.path, len(devices), ",".join(devices))
+
+    async def _drain(self) -> None:
+        """Graceful stop: refuse new work, let running streams finish, then end the rest."""
+        self.state = "draining"
+        for req in list(self.scheduler.waiting):
+            self.scheduler.remove(req)
+            self._end(req, P.Error(id=req.id, code=P.ErrorCode.SHUTTING_DOWN, message="daemon is shutting down"))
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while self.scheduler.num_running and time.monotonic() < deadline:
+            await asyncio.sleep(HOUSEKEEPING_S)
+        running = [r for r in self.by_handle.values() if r.worker is not None]
+        for req in running:
+            self._abort(req, P.FinishReason.SHUTDOWN)
+        deadline = time.monotonic() + ABORT_GRACE_S
+        while any(r.worker is not None for r in running) and time.monotonic() < deadline:
+            await asyncio.sleep(RETRY_SEND_S * 10)
+        for req in running:
+            if req.worker is not None:
+                self._finish(req, P.FinishReason.SHUTDOWN)
+        deadline = time.monotonic() + ABORT_GRACE_S
+        while self.blocked and time.monotonic() < deadline:
+            await asyncio.sleep(RETRY_SEND_S * 10)
+
+    async def _teardown(self) -> None:
+        self.state = "stopped"
+        loop = asyncio.get_running_loop()
+        for worker in self.workers:
+            if worker.process is not None:
+                loop.remove_reader(worker.process.sentinel)
+        await asyncio.gather(*(asyncio.to_thread(stop_process, w) for w in self.workers))
+        release_workers(self.workers)
+        for sock in (self.router, self.events):
+            if sock is not None:
+                sock.close(linger=0)
+        self.ctx.term()
+        if self.lock is not None:
+            self.lock.release()
+        log.info("stopped")
+
+    # ------------------------------------------------------------ workers
+
+    async def _event_loop(self) -> None:
+        while True:
+            frame = await self.events.recv()
+            try:
+                event = P.EVENT_DECODER.decode(frame)
+            except msgspec.DecodeError:
+                self.counters["dropped_frames_total"] += 1
+                log.warning("undecodable worker event dropped")
+                continue
+            match event:
+                case P.Doorbell(worker=index):
+                    self._read_ring(self.workers[index])
+                case P.WorkerHeartbeat(worker=index):
+                    self.workers[index].last_heartbeat = time.monotonic()
+                case P.WorkerReady() as ready:
+                    self._on_worker_ready(ready)
+                case P.WorkerStartFailed(worker=index, message=message):
+                    log.error("worker %d (%s) failed to start: %s", index, self.workers[index].device, message)
+                    self.request_stop(exit_code=1)
+
+    def _on_worker_ready(self, ready: P.WorkerReady) -> None:
+        budget = self.scheduler.workers[ready.worker]
+        budget.max_num_seqs = ready.max_num_seqs
+        budget.max_model_len = ready.max_model_len
+        budget.kv_cache_tokens = ready.kv_cache_tokens
+        budget.ready = True
+        self.workers[ready.worker].last_heartbeat = time.monotonic()
+        log.info("worker %d ready on %s (pid %d, %d slots)", ready.worker, ready.device, ready.pid, ready.max_num_seqs)
+        if self.state == "starting" and all(b.ready for b in self.scheduler.workers):
+            self.state = "serving"
+            log.info("ready: serving in %.1f s", time.monotonic() - self.started)
+        self._dispatch()
+
+    def _on_worker_exit(self, worker: WorkerProcess) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(worker.process.sentinel)
+        worker.alive = False
+        self.scheduler.workers[worker.index].ready = False
+        if self.state in ("draining", "stopped") and not any(r.worker == worker.index for r in self.by_handle.values()):
+            return
+        log.error("worker %d (pid %d) exited with code %s", worker.index, worker.pid, worker.process.exitcode)
+        self._read_ring(worker)
+        for req in [r for r in self.by_handle.values() if r.worker == worker.index]:
+            self._end(req, P.Error(id=req.id, code=P.ErrorCode.WORKER_FAILED, message=f"worker {worker.index} exited"))
+        if not any(b.ready for b in self.scheduler.workers) or self.state == "starting":
+            self.request_stop(exit_code=1)
+
+    def _read_ring(self, worker: WorkerProcess) -> None:
+        """Consume every published record of ``worker``'s ring, then re-arm its doorbell."""
+        ring = worker.ring
+        ring.disarm()
+        touched: dict[int, Request] = {}
+        while True:
+            records = ring.read()
+            for rec in records:
+                req = self.by_handle.get(rec.handle)
+                if req is None:
+                    self.counters["stale_records_total"] += 1
+                    continue
+                if rec.kind == KIND_TOKEN:
+                    self._on_token(req, rec)
+                elif rec.kind == KIND_FINISH:
+                    finish = P.FINISH_DECODER.decode(rec.payload)
+                    reason = req.abort_reason or finish.finish_reason
+                    self._finish(req, reason, finish.stop_reason, flush=False)
+                elif rec.kind == KIND_ERROR:
+                    error = P.WORKER_ERROR_DECODER.decode(rec.payload)
+                    self._end(req, P.Error(id=req.id, code=error.code, message=error.message), flush=False)
+                touched[rec.handle] = req
+            if ring.commit():
+                worker.send(P.RingSpace())
+            if not records and ring.arm():
+                break
+        for req in touched.values():
+            self._flush(req)
+        self._dispatch()
+
+    def _on_token(self, req: Request, rec) -> None:
+        if rec.seq != req.next_token_seq:
+            log.error("request %s: token seq %d, expected %d; ending it", req.id, rec.seq, req.next_token_seq)
+            self._abort(req, P.FinishReason.ERROR)
+            return
+        if not req.first_token:
+            req.first_token = time.monotonic()
+        req.next_token_seq += 1
+        req.output_token_ids.append(rec.token_id)
+        req.pending_ids.append(rec.token_id)
+        if rec.payload:
+            req.pending_text.append(rec.payload.decode())
+        self.counters["tokens_generated_total"] += 1
+
+    # ------------------------------------------------------------ clients
+
+    async def _client_loop(self) -> None:
+        while True:
+            frames = await self.router.recv_multipart()
+            self._on_frames(frames)
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        identity = frames[0]
+        now = time.monotonic()
+        client = self.clients.get(identity)
+        if client is not None:
+            client.last_seen = now
+        if len(frames) != 2:
+            self.counters["dropped_frames_total"] += 1
+            self._reply(identity, P.Error(id=None, code=P.ErrorCode.INVALID_REQUEST,
+                                          message=f"expected 1 message frame, got {len(frames) - 1}"))
+            return
+        try:
+            msg = P.CLIENT_DECODER.decode(frames[1])
+        except msgspec.DecodeError as exc:
+            self.counters["invalid_requests_total"] += 1
+            rid = _guess_id(frames[1])
+            if client is not None and rid in client.requests:
+                rid = None  # never end a live stream because of another, broken frame
+            self._reply(identity, P.Error(id=rid, code=P.ErrorCode.INVALID_REQUEST, message=f"bad message: {exc}"))
+            return
+        match msg:
+            case P.Generate():
+                self._on_generate(identity, msg, now)
+            case P.Cancel(id=rid):
+                req = client.requests.get(rid) if client else None
+                if req is None:
+                    self._reply(identity, P.Error(id=rid, code=P.ErrorCode.UNKNOWN_REQUEST, message=f"no open request {rid!r}"))
+                else:
+                    self._abort(req, P.FinishReason.CANCELLED)
+            case P.Heartbeat():
+                self._reply(identity, P.HeartbeatAck())
+            case P.Status():
+                self._reply(identity, self.status())
+            case P.Admin():
+                self._reply(identity, P.Error(id=None, code=P.ErrorCode.INVALID_REQUEST,
+                                              message="live settings are not available in this version"))
+
+    def _on_generate(self, identity: bytes, msg: P.Generate, now: float) -> None:
+        client = self.clients.get(identity)
+        if client is not None and msg.id in client.requests:
+            self.counters["invalid_requests_total"] += 1
+            self._reply(identity, P.Error(id=None, code=P.ErrorCode.INVALID_REQUEST,
+                                          message=f"duplicate request id {msg.id!r}: it is still open"))
+            return
+        if self.state not in ("starting", "serving"):
+            self._reply(identity, P.Error(id=msg.id, code=P.ErrorCode.SHUTTING_DOWN, message="daemon is shutting down"))
+            return
+        try:
+            prompt_ids = self.validator.check(msg, self.scheduler.max_request_tokens())
+        except RequestRejected as exc:
+            self.counters["invalid_requests_total"] += 1
+            self._reply(identity, P.Error(id=msg.id, code=exc.code, message=str(exc)))
+            return
+        req = Request(identity, msg.id, next(self.handles), msg, prompt_ids, now)
+        if not self.scheduler.add(req):
+            self._reply(identity, P.Error(id=msg.id, code=P.ErrorCode.QUEUE_FULL,
+                                          message=f"queue full ({self.scheduler.queue_size} waiting)"))
+            return
+        if client is None:
+            client = self.clients[identity] = ClientState(last_seen=now)
+        client.requests[msg.id] = req
+        self.by_handle[req.handle] = req
+        self.counters["requests_total"] += 1
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        now = time.monotonic()
+        for req, budget in self.scheduler.schedule():
+            req.dispatched = now
+            msg = req.msg
+            self.workers[budget.index].send(P.Assign(
+                handle=req.handle, prompt_token_ids=req.prompt_token_ids, max_tokens=msg.max_tokens,
+                temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, seed=msg.seed, stop=msg.stop,
+                stop_token_ids=msg.stop_token_ids, ignore_eos=msg.ignore_eos, output_token_ids=req.output_token_ids,
+            ))
+
+    def _abort(self, req: Request, reason: P.FinishReason) -> None:
+        """End a request early: at once if waiting, else after its worker confirms."""
+        if req.abort_reason is not None or req.final is not None:
+            return
+        if self.scheduler.remove(req):
+            self._finish(req, reason)
+            return
+        req.abort_reason = reason
+        if req.worker is not None:
+            self.workers[req.worker].send(P.Abort(handle=req.handle))
+
+    def _finish(self, req: Request, reason: P.FinishReason, stop_reason=None, flush: bool = True) -> None:
+        now = time.monotonic()
+        usage = P.Usage(
+            prompt_tokens=req.num_prompt_tokens, completion_tokens=len(req.output_token_ids),
+            queue_time_s=(req.dispatched or now) - req.arrival,
+            ttft_s=(req.first_token - req.arrival) if req.first_token else 0.0, e2e_s=now - req.arrival,
+        )
+        self._end(req, P.Chunk(id=req.id, seq=0, finish_reason=reason, stop_reason=stop_reason, usage=usage), flush)
+
+    def _end(self, req: Request, final: P.Chunk | P.Error, flush: bool = True) -> None:
+        """Record the terminal message; the request leaves every table once it is sent."""
+        if req.final is not None:
+            return
+        req.final = final
+        self.scheduler.finished(req)
+        self.by_handle.pop(req.handle, None)
+        if flush:
+            self._flush(req)
+            self._dispatch()
+
+    def _flush(self, req: Request) -> None:
+        """Send what is pending for ``req`` as one Chunk (plus its terminal message)."""
+        final = req.final
+        if not (req.pending_ids or final) or (not req.msg.stream and final is None):
+            return
+        if isinstance(final, P.Error):
+            msg = final
+        else:
+            msg = P.Chunk(id=req.id, seq=req.chunk_seq, text="".join(req.pending_text), token_ids=req.pending_ids)
+            if final is not None:
+                msg.finish_reason, msg.stop_reason, msg.usage = final.finish_reason, final.stop_reason, final.usage
+        result = self._reply(req.client, msg)
+        if result == "sent":
+            req.chunk_seq += 1
+            req.pending_text = []
+            req.pending_ids = []
+            self.blocked.pop(req.handle, None)
+            if final is not None:
+                self._forget(req)
+        elif result == "blocked":
+            self.blocked[req.handle] = req
+            client = self.clients.get(req.client)
+            if client and not client.blocked_since:
+                client.blocked_since = time.monotonic()
+            if not self.retry_scheduled:
+                self.retry_scheduled = True
+                asyncio.get_running_loop().call_later(RETRY_SEND_S, self._retry_blocked)
+        else:
+            self._client_gone(req.client)
+
+    def _retry_blocked(self) -> None:
+        self.retry_scheduled = False
+        for req in list(self.blocked.values()):
+            if self.blocked.get(req.handle) is req:
+                self._flush(req)
+        for client in self.clients.values():
+            if client.blocked_since and not any(r.handle in self.blocked for r in client.requests.values()):
+                client.blocked_since = 0.0
+
+    def _forget(self, req: Request) -> None:
+        client = self.clients.get(req.client)
+        if client is not None:
+            client.requests.pop(req.id, None)
+            if not client.requests:
+                del self.clients[req.client]
+        self.blocked.pop(req.handle, None)
+
+    def _client_gone(self, identity: bytes) -> None:
+        """The client vanished (unroutable or silent): cancel its requests, send nothing."""
+        client = self.clients.pop(identity, None)
+        if client is None:
+            return
+        log.info("client %s gone; cancelling %d request(s)", identity.hex(), len(client.requests))
+        for req in client.requests.values():
+            self.blocked.pop(req.handle, None)
+            req.client = b""
+            if req.final is None:
+                self._abort(req, P.FinishReason.CANCELLED)
+
+    def _reply(self, identity: bytes, msg) -> str:
+        """Send one message; returns "sent", "blocked" (EAGAIN at the HWM) or "gone"."""
+        if not identity:
+            return "gone"
+        future = self.router.send_multipart((identity, P.encode(msg)), flags=zmq.NOBLOCK)
+        exc = future.exception()
+        if exc is None:
+            return "sent"
+        if isinstance(exc, zmq.Again):
+            return "blocked"
+        if isinstance(exc, zmq.ZMQError) and exc.errno == errno.EHOSTUNREACH:
+            return "gone"
+        raise exc
+
+    # ------------------------------------------------------------ timers
+
+    async def _housekeeping(self) -> None:
+        timeout = self.config.client_timeout_s
+        start_deadline = self.started + self.config.worker_start_timeout_s
+        while True:
+            await asyncio.sleep(HOUSEKEEPING_S)
+            now = time.monotonic()
+            for identity, client in list(self.clients.items()):
+                silent = now - client.last_seen > timeout
+                stuck = client.blocked_since and now - client.blocked_since > timeout
+                if silent or stuck:
+                    log.info("client %s %s for %.1f s", identity.hex(), "silent" if silent else "not reading", timeout)
+                    self._client_gone(identity)
+            if self.state == "starting" and now > start_deadline:
+                log.error("workers not ready after %.0f s", self.config.worker_start_timeout_s)
+                self.request_stop(exit_code=1)
+
+    def status(self) -> P.StatusReply:
+        """Live figures, as sent to ``ringstream status``."""
+        workers = [
+            P.WorkerStatus(
+                index=w.index, device=w.device, pid=w.pid, alive=w.alive, running=b.running,
+                max_num_seqs=b.max_num_seqs, max_model_len=b.max_model_len, kv_cache_tokens=b.kv_cache_tokens,
+                kv_cache_tokens_used=b.kv_tokens_used, ring_fill=w.ring.fill(), requests_served=b.served,
+            )
+            for w, b in zip(self.workers, self.scheduler.workers)
+        ]
+        return P.StatusReply(
+            version=__version__, ready=self.state == "serving", state=self.state,
+            uptime_s=time.monotonic() - self.started, waiting=len(self.scheduler.waiting),
+            running=self.scheduler.num_running, queue_size=self.scheduler.queue_size,
+            max_concurrency=self.scheduler.max_concurrency,
+            requests_total=self.counters["requests_total"],
+            tokens_generated_total=self.counters["tokens_generated_total"], workers=workers,
+            settings=dict(max_concurrency=self.scheduler.max_concurrency, queue_size=self.scheduler.queue_size,
+                          client_timeout_s=self.config.client_timeout_s, drain_timeout_s=self.config.drain_timeout_s),
+            counters=dict(self.counters),
+        )
+
+
+def _guess_id(frame: bytes) -> str | None:
+    """Best-effort request id of an undecodable frame, so its sender can match the error."""
+    try:
+        raw = msgspec.msgpack.decode(frame)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(raw, list) and len(raw) > 1 and isinstance(raw[1], str) and len(raw[1]) <= P.MAX_ID_CHARS:
+        return raw[1] or None
+    return None
+
+
+def serve(config: Config) -> int:
+    """Run a daemon in this process until stopped; returns its exit code."""
+    import uvloop
+
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s front %(message)s")
+    return uvloop.run(Front(config).run())

@@ -1,0 +1,167 @@
+"""Worker processes and the resources the front owns for them.
+
+The front owns, and is the only one to release: each worker's ring (created
+here, unlinked at stop), each worker's command socket, and the instance lock
+that keeps two daemons of one instance from stealing each other's socket.
+Workers are started with the ``spawn`` method (CUDA and ZeroMQ are not
+fork-safe) and stopped with a deadline: ``Shutdown`` message, join, SIGTERM,
+join, SIGKILL.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import multiprocessing
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+
+from daemon.config import Config
+from daemon.worker import WorkerSpec, worker_main
+from ipc import protocol as P
+from ipc.ring import RingConsumer
+
+log = logging.getLogger("ringstream.supervisor")
+
+JOIN_GRACE_S = 5.0
+"""How long a worker gets to exit after ``Shutdown``, and again after SIGTERM."""
+
+
+class StartupError(Exception):
+    """The daemon cannot start (instance already running, ring or worker failure)."""
+
+
+class InstanceLock:
+    """An exclusive ``flock`` on ``<rundir>/<instance>.lock`` for the daemon's lifetime."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(self.fd, 32).decode(errors="replace").strip() or "?"
+            os.close(self.fd)
+            raise StartupError(f"instance already running (pid {holder}, lock {path})") from None
+        os.ftruncate(self.fd, 0)
+        os.write(self.fd, f"{os.getpid()}\n".encode())
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            self.path.unlink(missing_ok=True)
+            os.close(self.fd)
+            self.fd = -1
+
+
+@dataclass
+class WorkerProcess:
+    """One worker as the front holds it."""
+
+    index: int
+    device: str
+    spec: WorkerSpec
+    ring: RingConsumer
+    commands: zmq.Socket
+    process: multiprocessing.process.BaseProcess | None = None
+    pid: int = 0
+    alive: bool = False
+    last_heartbeat: float = field(default_factory=time.monotonic)
+
+    def send(self, command) -> None:
+        """Queue a command for the worker (never blocks: the command socket has no HWM)."""
+        self.commands.send(P.encode(command), zmq.NOBLOCK)
+
+
+def ring_name(instance: str, index: int) -> str:
+    """/dev/shm name of worker ``index``'s ring."""
+    return f"ringstream-{instance}-w{index}"
+
+
+def worker_threads(config: Config, devices: list[str]) -> int:
+    """torch threads per CPU worker: configured, or the cores shared among CPU workers."""
+    if config.worker_threads:
+        return config.worker_threads
+    cpu_workers = max(1, sum(1 for d in devices if d == "cpu"))
+    return max(1, (os.cpu_count() or 1) // cpu_workers)
+
+
+def create_workers(
+    config: Config, devices: list[str], model_path: str, ctx: zmq.Context, rundir: Path, event_address: str
+) -> list[WorkerProcess]:
+    """Create each worker's ring and command socket (not yet its process).
+
+    Raises StartupError if a ring cannot be created; already-created rings are unlinked.
+    """
+    workers: list[WorkerProcess] = []
+    threads = worker_threads(config, devices)
+    dtype = config.dtype
+    try:
+        for index, device in enumerate(devices):
+            name = ring_name(config.instance, index)
+            ring = RingConsumer.create(name, config.ring_bytes, mode=config.socket_mode, instance_id=secrets.randbits(63))
+            commands = ctx.socket(zmq.PUSH)
+            commands.setsockopt(zmq.SNDHWM, 0)
+            commands.setsockopt(zmq.LINGER, 0)
+            address = f"ipc://{rundir / f'{config.instance}.w{index}.cmd'}"
+            commands.bind(address)
+            spec = WorkerSpec(
+                index=index, device=device, model_path=model_path,
+                dtype=("float32" if device == "cpu" else "bfloat16") if dtype == "auto" else dtype,
+                command_address=address, event_address=event_address,
+                ring_name=name, ring_instance_id=ring.instance_id,
+                max_num_seqs=config.max_concurrency, max_num_batched_tokens=config.max_num_batched_tokens,
+                threads=threads, heartbeat_s=config.worker_heartbeat_s, parent_pid=os.getpid(),
+                seed=config.seed, log_level=config.log_level,
+            )
+            workers.append(WorkerProcess(index, device, spec, ring, commands))
+    except Exception as exc:
+        release_workers(workers)
+        raise StartupError(f"cannot create worker resources: {exc}") from exc
+    return workers
+
+
+def spawn(worker: WorkerProcess) -> None:
+    """Start the worker's process (spawn method)."""
+    ctx = multiprocessing.get_context("spawn")
+    worker.process = ctx.Process(target=worker_main, args=(worker.spec,), name=f"ringstream-worker-{worker.index}")
+    worker.process.start()
+    worker.pid = worker.process.pid
+    worker.alive = True
+    worker.last_heartbeat = time.monotonic()
+
+
+def stop_process(worker: WorkerProcess) -> None:
+    """Stop a worker's process: ``Shutdown``, join, SIGTERM, join, SIGKILL. Blocking."""
+    proc = worker.process
+    if proc is None:
+        return
+    if proc.is_alive():
+        try:
+            worker.send(P.Shutdown())
+        except zmq.ZMQError:
+            log.debug("worker %d: shutdown message not sent", worker.index)
+        proc.join(JOIN_GRACE_S)
+    if proc.is_alive():
+        log.warning("worker %d did not exit; terminating", worker.index)
+        proc.terminate()
+        proc.join(JOIN_GRACE_S)
+    if proc.is_alive():
+        log.warning("worker %d did not terminate; killing", worker.index)
+        proc.kill()
+        proc.join()
+    proc.close()
+    worker.process = None
+    worker.alive = False
+
+
+def release_workers(workers: list[WorkerProcess]) -> None:
+    """Close command sockets, unlink rings. Call after every process is stopped."""
+    for worker in workers:
+        worker.commands.close(linger=0)
+        worker.ring.close()
+        worker.ring.unlink()

@@ -1,0 +1,69 @@
+"""Request validation in the front: everything checked before a request queues.
+
+The wire decoder already enforced types and ranges (``ipc.protocol`` limits);
+here come the checks that need the model: tokenisation, vocabulary range and
+the context length. A rejected request raises :class:`RequestRejected` with
+the error code its client receives.
+"""
+
+from __future__ import annotations
+
+import tokenizers
+
+from daemon.model import ModelInfo
+from ipc import protocol as P
+
+TOKEN_CHARS_MARGIN = 2
+"""Normalisers may merge characters (NFC): allow this factor over the longest vocabulary entry."""
+
+
+class RequestRejected(Exception):
+    """A request the daemon will not queue; ``code`` is the wire error code."""
+
+    def __init__(self, code: P.ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Validator:
+    """Checks ``Generate`` messages against one model's tokenizer and context."""
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, info: ModelInfo) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = info.max_model_len
+        self.vocab_size = max(info.vocab_size, tokenizer.get_vocab_size(with_added_tokens=True))
+        longest = max((len(token) for token in tokenizer.get_vocab(with_added_tokens=True)), default=1)
+        self.max_chars_per_token = TOKEN_CHARS_MARGIN * longest
+
+    def check(self, msg: P.Generate, context_tokens: int = 0) -> list[int]:
+        """Return the prompt's token ids, or raise :class:`RequestRejected`.
+
+        ``context_tokens``: the largest prompt + max_tokens a worker can hold
+        (0 before any worker reported; the model's context is used then).
+        A text prompt so long that it cannot fit even at the longest token is
+        refused before it is tokenised, so a huge prompt cannot stall the loop.
+        """
+        limit = min(context_tokens or self.max_model_len, self.max_model_len)
+        if (msg.prompt is None) == (msg.prompt_token_ids is None):
+            raise RequestRejected(P.ErrorCode.INVALID_REQUEST, "give exactly one of prompt or prompt_token_ids")
+        if msg.prompt is not None:
+            if not msg.prompt:
+                raise RequestRejected(P.ErrorCode.INVALID_REQUEST, "empty prompt")
+            if len(msg.prompt) > limit * self.max_chars_per_token:
+                raise RequestRejected(P.ErrorCode.PROMPT_TOO_LONG,
+                                      f"prompt of {len(msg.prompt)} characters cannot fit the context of {limit} tokens")
+            ids = self.tokenizer.encode(msg.prompt).ids
+        else:
+            ids = msg.prompt_token_ids
+            if not ids:
+                raise RequestRejected(P.ErrorCode.INVALID_REQUEST, "empty prompt_token_ids")
+        for name, values in (("prompt_token_ids", ids), ("stop_token_ids", msg.stop_token_ids)):
+            if values and max(values) >= self.vocab_size:
+                raise RequestRejected(P.ErrorCode.INVALID_REQUEST,
+                                      f"{name}: token id {max(values)} is outside the vocabulary of {self.vocab_size}")
+        if len(ids) + msg.max_tokens > limit:
+            raise RequestRejected(
+                P.ErrorCode.PROMPT_TOO_LONG,
+                f"prompt ({len(ids)} tokens) + max_tokens ({msg.max_tokens}) exceeds the context of {limit} tokens",
+            )
+        return ids

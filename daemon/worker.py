@@ -1,0 +1,306 @@
+"""Worker process: one per device; runs the engine and writes tokens to its ring.
+
+The worker moves messages between its command socket and the engine at step
+boundaries (sockets stay out of the engine loop):
+
+1. take every pending command (``Assign``, ``Abort``, ``RingSpace``,
+   ``Shutdown``) without blocking while there is work, or block up to one
+   heartbeat period when idle;
+2. run one engine step;
+3. write one TOKEN record per output (and a FINISH record for a request that
+   ended) into the ring, publish them at once, and ring the front's doorbell
+   only when the front sleeps on it.
+
+When the ring is full the worker waits for a ``RingSpace`` doorbell: nothing is
+ever overwritten. It exits when told to, on SIGTERM, or when the front dies
+(``PR_SET_PDEATHSIG`` plus a parent-pid check each loop).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from ipc import protocol as P
+from ipc.ring import KIND_ERROR, KIND_FINISH, KIND_TOKEN, RingProducer
+
+log = logging.getLogger("ringstream.worker")
+
+PR_SET_PDEATHSIG = 1
+WAIT_SPACE_POLL_MS = 1000
+"""While waiting for ring space, re-check that the front lives this often."""
+
+FINISH_FLAGS = {reason: i for i, reason in enumerate(P.FinishReason)}
+"""FINISH record ``flags``: the finish reason's index (the payload has it in full)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """Everything a worker needs; pickled to the spawned process."""
+
+    index: int
+    device: str
+    model_path: str
+    dtype: str
+    command_address: str
+    event_address: str
+    ring_name: str
+    ring_instance_id: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    threads: int
+    heartbeat_s: float
+    parent_pid: int
+    seed: int
+    log_level: str
+
+
+class FrontGone(Exception):
+    """The front process died or asked the worker to stop."""
+
+
+def worker_main(spec: WorkerSpec) -> None:
+    """Entry point of the spawned worker process; exits the process when done."""
+    logging.basicConfig(
+        level=spec.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s worker{spec.index} %(message)s",
+        stream=sys.stderr,
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the front drains
+    _die_with_parent()
+    worker = Worker(spec)
+    code = 0
+    try:
+        worker.run()
+    except FrontGone:
+        pass
+    except Exception:
+        log.exception("worker failed")
+        code = 1
+    finally:
+        worker.close()
+    sys.exit(code)
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        log.debug("prctl unavailable; relying on the parent-pid check")
+
+
+class Worker:
+    """The loop of one worker process; see the module docstring."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.stopping = False
+        self.ctx = zmq.Context()
+        self.commands = self.ctx.socket(zmq.PULL)
+        self.commands.connect(spec.command_address)
+        self.events = self.ctx.socket(zmq.PUSH)
+        self.events.setsockopt(zmq.LINGER, 1000)
+        self.events.connect(spec.event_address)
+        self.engine = None
+        self.ring: RingProducer | None = None
+        self.handles: set[int] = set()
+        self.deferred: list = []
+        self.waiting_space = False
+        self.steps = 0
+        self.next_heartbeat = 0.0
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.stopping = True
+
+    def close(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
+        self.commands.close(linger=0)
+        self.events.close()
+        self.ctx.term()
+
+    def _send(self, message) -> None:
+        self.events.send(P.encode(message))
+
+    # ---------------------------------------------------------------- start
+
+    def start(self) -> None:
+        """Load the model, build and warm the engine, attach the ring, report ready."""
+        from daemon.engine import Engine
+        from daemon.model import load_model, load_tokenizer, resolve_model_dir
+
+        spec = self.spec
+        try:
+            import torch
+
+            if spec.device == "cpu":
+                torch.set_num_threads(spec.threads)
+            elif not torch.cuda.is_available() or int(spec.device.split(":")[1]) >= torch.cuda.device_count():
+                raise RuntimeError(f"device {spec.device} is not available on this host")
+            info = resolve_model_dir(spec.model_path)
+            model = load_model(info, device=spec.device, dtype=spec.dtype)
+            self.engine = Engine(
+                model,
+                load_tokenizer(info),
+                max_num_seqs=spec.max_num_seqs,
+                max_num_batched_tokens=spec.max_num_batched_tokens,
+                eos_token_ids=info.eos_token_ids,
+                device=spec.device,
+                seed=spec.seed,
+            )
+            self.engine.warmup()
+            self.ring = RingProducer.attach(spec.ring_name, instance_id=spec.ring_instance_id)
+        except Exception as exc:
+            log.error("cannot start on %s: %s", spec.device, exc)
+            self._send(P.WorkerStartFailed(worker=spec.index, message=f"{type(exc).__name__}: {exc}"))
+            raise FrontGone from exc
+        engine = self.engine
+        self._send(P.WorkerReady(
+            worker=spec.index, pid=os.getpid(), device=spec.device,
+            max_num_seqs=engine.max_num_seqs, max_model_len=engine.max_model_len,
+            kv_cache_tokens=engine.kv_cache_tokens, kv_cache_bytes=engine.kv_cache_bytes,
+        ))
+        log.info("ready on %s: max_num_seqs=%d max_model_len=%d", spec.device, engine.max_num_seqs, engine.max_model_len)
+
+    # ---------------------------------------------------------------- loop
+
+    def run(self) -> None:
+        self.start()
+        engine = self.engine
+        idle_ms = int(self.spec.heartbeat_s * 1000)
+        while True:
+            self._check_alive()
+            while self.deferred:
+                self._apply(self.deferred.pop(0))
+            busy = engine.has_unfinished()
+            self._take_commands(0 if busy else idle_ms)
+            if not engine.has_unfinished():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:
+                log.exception("engine step failed; failing %d requests", len(self.handles))
+                self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+                continue
+            self.steps += 1
+            for out in outputs:
+                self._write_output(out)
+            self._publish()
+
+    def _check_alive(self) -> None:
+        if self.stopping or os.getppid() != self.spec.parent_pid:
+            raise FrontGone
+        now = time.monotonic()
+        if now >= self.next_heartbeat:
+            self.next_heartbeat = now + self.spec.heartbeat_s
+            self._send(P.WorkerHeartbeat(
+                worker=self.spec.index, running=self.engine.num_running,
+                waiting=self.engine.num_waiting, steps=self.steps,
+            ))
+
+    def _take_commands(self, timeout_ms: int) -> bool:
+        """Handle every queued command; wait up to ``timeout_ms`` for the first.
+
+        Returns True if a ``RingSpace`` doorbell was among them.
+        """
+        space = False
+        if timeout_ms and not self.commands.poll(timeout_ms):
+            return False
+        while True:
+            try:
+                frame = self.commands.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return space
+            match P.COMMAND_DECODER.decode(frame):
+                case P.RingSpace():
+                    space = True
+                case P.Shutdown():
+                    raise FrontGone
+                case command if self.waiting_space:
+                    self.deferred.append(command)
+                case command:
+                    self._apply(command)
+
+    def _apply(self, command) -> None:
+        """Apply an Assign or Abort (between steps, never while a write waits)."""
+        match command:
+            case P.Assign():
+                self._assign(command)
+            case P.Abort(handle=handle):
+                if self.engine.abort(handle):
+                    self.handles.discard(handle)
+                    self._write_finish(handle, 0, P.Finish(finish_reason=P.FinishReason.CANCELLED))
+
+    def _assign(self, cmd: P.Assign) -> None:
+        from daemon.engine import EngineRequest, SamplingParams
+
+        params = SamplingParams(
+            max_tokens=cmd.max_tokens, temperature=cmd.temperature, top_p=cmd.top_p, top_k=cmd.top_k,
+            seed=cmd.seed, stop=tuple(cmd.stop), stop_token_ids=tuple(cmd.stop_token_ids),
+            ignore_eos=cmd.ignore_eos,
+        )
+        try:
+            self.engine.add(EngineRequest(cmd.handle, list(cmd.prompt_token_ids), params, list(cmd.output_token_ids)))
+        except ValueError as exc:
+            self._write_error(cmd.handle, P.ErrorCode.INVALID_REQUEST, str(exc))
+            return
+        except Exception as exc:
+            self._write_error(cmd.handle, P.ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            return
+        self.handles.add(cmd.handle)
+
+    def _fail_all(self, message: str) -> None:
+        for handle in list(self.handles):
+            self.engine.abort(handle)
+            self._write_error(handle, P.ErrorCode.WORKER_FAILED, message)
+        self.handles.clear()
+        self._publish()
+
+    # ---------------------------------------------------------------- ring
+
+    def _write_output(self, out) -> None:
+        self._write(KIND_TOKEN, 0, out.handle, out.seq, out.token_id, out.text.encode())
+        if out.finish_reason is not None:
+            self.handles.discard(out.handle)
+            self._write_finish(out.handle, out.seq + 1, P.Finish(
+                finish_reason=P.FinishReason(out.finish_reason), stop_reason=out.stop_reason,
+                prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
+            ))
+
+    def _write_finish(self, handle: int, seq: int, finish: P.Finish) -> None:
+        self._write(KIND_FINISH, FINISH_FLAGS[finish.finish_reason], handle, seq, 0, P.encode(finish))
+
+    def _write_error(self, handle: int, code: P.ErrorCode, message: str) -> None:
+        payload = P.encode(P.WorkerError(code=code, message=message[:1000]))
+        self._write(KIND_ERROR, 0, handle, 0, 0, payload)
+
+    def _write(self, kind: int, flags: int, handle: int, seq: int, token_id: int, payload: bytes) -> None:
+        """Append one record, waiting (never overwriting) while the ring is full."""
+        ring = self.ring
+        while not ring.try_write(kind, flags, handle, seq, token_id, payload):
+            self._publish()
+            if ring.arm_space(ring.record_size(len(payload))):
+                self._wait_space()
+            ring.disarm_space()
+
+    def _wait_space(self) -> None:
+        """Block until the front frees ring space; Assign/Abort wait for the step's end."""
+        self.waiting_space = True
+        try:
+            while not self._take_commands(WAIT_SPACE_POLL_MS):
+                self._check_alive()
+        finally:
+            self.waiting_space = False
+
+    def _publish(self) -> None:
+        if self.ring.publish():
+            self._send(P.Doorbell(worker=self.spec.index))

@@ -1,0 +1,28 @@
+"""Where a daemon instance listens by default (shared by the daemon and its clients).
+
+Under systemd the unit's ``RuntimeDirectory`` holds ``ringstream.sock``; for a
+user session ``$XDG_RUNTIME_DIR/ringstream/<instance>.sock``; otherwise a
+private directory in the temp dir.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def runtime_dir() -> Path:
+    """Directory for this user's sockets: systemd's, XDG's, or ``$TMPDIR/ringstream-<uid>``."""
+    if os.environ.get("RUNTIME_DIRECTORY"):
+        return Path(os.environ["RUNTIME_DIRECTORY"].split(":")[0])
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return Path(os.environ["XDG_RUNTIME_DIR"]) / "ringstream"
+    return Path(tempfile.gettempdir()) / f"ringstream-{os.getuid()}"
+
+
+def default_socket(instance: str = "default") -> str:
+    """The ZeroMQ address a daemon of ``instance`` binds, and clients use, by default."""
+    if os.environ.get("RUNTIME_DIRECTORY"):
+        return f"ipc://{runtime_dir() / 'ringstream.sock'}"
+    return f"ipc://{runtime_dir() / f'{instance}.sock'}"

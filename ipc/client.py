@@ -1,0 +1,417 @@
+"""Client library: stream generations from a ringstream daemon.
+
+Two flavours over one ZeroMQ DEALER socket each:
+
+* :class:`AsyncClient` for asyncio code: any number of concurrent streams;
+  a background task routes replies by request id and heartbeats while
+  streams are open;
+* :class:`Client` for plain code: one thread, streams consumed by iterating;
+  it heartbeats while it waits for the daemon, so a caller that stops
+  iterating for longer than the daemon's ``client_timeout_s`` (10 s by
+  default) has its requests cancelled, as any client that stops reading.
+
+Both check that each stream's chunks arrive with ``seq`` 0, 1, 2... and end
+with exactly one terminal message, and raise a typed :class:`ServerError`
+subclass for an error code. Leaving a stream early (``break``, an exception,
+``close()``) cancels the request on the daemon.
+
+Example::
+
+    with Client() as client:
+        for chunk in client.generate("The socket module", max_tokens=32, temperature=0):
+            print(chunk.text, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterator
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from ipc import protocol as P
+from ipc.address import default_socket
+
+DEFAULT_HEARTBEAT_S = 1.0
+"""Heartbeat period while streams are open, seconds (a third of the daemon's default 10 s or less)."""
+DEFAULT_TIMEOUT_S = 30.0
+"""Raise :class:`DaemonUnavailable` when the daemon has said nothing for this long, seconds."""
+
+
+class RingstreamError(Exception):
+    """Base of every error this library raises."""
+
+
+class DaemonUnavailable(RingstreamError):
+    """No answer from the daemon within the client's ``timeout_s``."""
+
+
+class StreamOrderError(RingstreamError):
+    """A chunk arrived out of ``seq`` order, or after the terminal message."""
+
+
+class ServerError(RingstreamError):
+    """The daemon ended a request with an ``Error``; ``code`` is its error code."""
+
+    code = P.ErrorCode.INTERNAL
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+class InvalidRequest(ServerError):
+    code = P.ErrorCode.INVALID_REQUEST
+
+
+class PromptTooLong(ServerError):
+    code = P.ErrorCode.PROMPT_TOO_LONG
+
+
+class QueueFull(ServerError):
+    code = P.ErrorCode.QUEUE_FULL
+
+
+class QueueTimeout(ServerError):
+    code = P.ErrorCode.QUEUE_TIMEOUT
+
+
+class WorkerFailed(ServerError):
+    code = P.ErrorCode.WORKER_FAILED
+
+
+class ShuttingDown(ServerError):
+    code = P.ErrorCode.SHUTTING_DOWN
+
+
+class UnknownRequest(ServerError):
+    code = P.ErrorCode.UNKNOWN_REQUEST
+
+
+class InternalError(ServerError):
+    code = P.ErrorCode.INTERNAL
+
+
+ERRORS: dict[str, type[ServerError]] = {cls.code: cls for cls in ServerError.__subclasses__()}
+
+
+def error_from(msg: P.Error) -> ServerError:
+    """The typed exception for an ``Error`` message."""
+    return ERRORS.get(msg.code, InternalError)(f"{msg.code}: {msg.message}", msg.id)
+
+
+@dataclass
+class Completion:
+    """A whole generation, as returned by ``complete()``."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stop_reason: str | int | None
+    usage: P.Usage | None
+    chunks: int
+
+
+@dataclass
+class _Stream:
+    """Order checking for one request's replies."""
+
+    id: str
+    expected_seq: int = 0
+    done: bool = False
+    inbox: deque = field(default_factory=deque)
+
+    def accept(self, msg: P.Chunk | P.Error) -> P.Chunk:
+        """Check ``msg``; return the chunk or raise its typed error."""
+        if self.done:
+            raise StreamOrderError(f"request {self.id}: message after the terminal one")
+        if isinstance(msg, P.Error):
+            self.done = True
+            raise error_from(msg)
+        if msg.seq != self.expected_seq:
+            self.done = True
+            raise StreamOrderError(f"request {self.id}: chunk seq {msg.seq}, expected {self.expected_seq}")
+        self.expected_seq += 1
+        self.done = msg.finish_reason is not None
+        return msg
+
+
+def _new_identity() -> bytes:
+    return b"rs-" + os.urandom(8).hex().encode()
+
+
+def _generate_message(rid: str, prompt: str | None, prompt_token_ids: list[int] | None, params: dict) -> P.Generate:
+    try:
+        return P.Generate(id=rid, prompt=prompt, prompt_token_ids=prompt_token_ids, **params)
+    except TypeError as exc:
+        raise TypeError(f"generate(): {exc}") from None
+
+
+def _join(chunks: list[P.Chunk]) -> Completion:
+    last = chunks[-1]
+    return Completion(
+        text="".join(c.text for c in chunks), token_ids=[t for c in chunks for t in c.token_ids],
+        finish_reason=str(last.finish_reason), stop_reason=last.stop_reason, usage=last.usage, chunks=len(chunks),
+    )
+
+
+class AsyncClient:
+    """asyncio client; use ``async with AsyncClient() as c`` or call :meth:`close`.
+
+    ``address``: the daemon's ZeroMQ address (default: the instance's
+    socket, see :func:`ipc.address.default_socket`). ``identity``: a fixed
+    ZeroMQ routing id (default: random per client). ``heartbeat_s`` and
+    ``timeout_s`` in seconds.
+    """
+
+    def __init__(self, address: str | None = None, *, instance: str = "default", identity: bytes | None = None,
+                 heartbeat_s: float = DEFAULT_HEARTBEAT_S, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.address = address or default_socket(instance)
+        self.heartbeat_s = heartbeat_s
+        self.timeout_s = timeout_s
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.ROUTING_ID, identity or _new_identity())
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(self.address)
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._status_waiters: deque[asyncio.Future] = deque()
+        self._ids = itertools.count()
+        self._prefix = os.urandom(4).hex()
+        self._last_rx = time.monotonic()
+        self._tasks: list[asyncio.Task] = []
+        self.stray_errors: deque[P.Error] = deque(maxlen=100)
+        """Errors that named no open request (e.g. for an undecodable frame)."""
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Cancel open streams on the daemon and close the socket."""
+        for rid in list(self._streams):
+            self._send_nowait(P.Cancel(id=rid))
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def _start(self) -> None:
+        if not self._tasks:
+            self._last_rx = time.monotonic()
+            self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._heartbeat())]
+
+    def _send_nowait(self, msg) -> None:
+        self._sock.send(P.encode(msg), zmq.NOBLOCK).exception()
+
+    async def _receive(self) -> None:
+        while True:
+            frame = await self._sock.recv()
+            self._last_rx = time.monotonic()
+            try:
+                msg = P.SERVER_DECODER.decode(frame)
+            except msgspec.DecodeError:
+                continue
+            match msg:
+                case P.Chunk(id=rid) | P.Error(id=rid) if rid in self._streams:
+                    self._streams[rid].put_nowait(msg)
+                case P.StatusReply() if self._status_waiters:
+                    self._status_waiters.popleft().set_result(msg)
+                case P.Error():
+                    if self._status_waiters:
+                        self._status_waiters.popleft().set_exception(error_from(msg))
+                    else:
+                        self.stray_errors.append(msg)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            if self._streams:
+                self._send_nowait(P.Heartbeat())
+
+    async def _wait(self, awaitable: asyncio.Future):
+        """Await a reply, raising DaemonUnavailable if the daemon stays silent for ``timeout_s``."""
+        while True:
+            done, _ = await asyncio.wait({awaitable}, timeout=self.heartbeat_s)
+            if done:
+                return awaitable.result()
+            if time.monotonic() - self._last_rx > self.timeout_s:
+                awaitable.cancel()
+                raise DaemonUnavailable(f"no answer from {self.address} for {self.timeout_s:.0f} s")
+
+    async def generate(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
+                       id: str | None = None, **params) -> AsyncIterator[P.Chunk]:
+        """Stream one generation: yields ``Chunk``s; the last has ``finish_reason``.
+
+        ``params`` are :class:`ipc.protocol.Generate` fields (``max_tokens``,
+        ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``,
+        ``stop_token_ids``, ``ignore_eos``, ``priority``, ``queue_timeout_s``,
+        ``timeout_s``, ``stream``). Raises a :class:`ServerError` subclass
+        for an error reply, :class:`StreamOrderError`, :class:`DaemonUnavailable`,
+        or TypeError for an unknown parameter.
+        """
+        rid = id or f"{self._prefix}-{next(self._ids)}"
+        if rid in self._streams:
+            raise ValueError(f"request id {rid!r} is already open on this client")
+        msg = _generate_message(rid, prompt, prompt_token_ids, params)
+        self._start()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = queue
+        stream = _Stream(rid)
+        try:
+            self._sock.send(P.encode(msg), zmq.NOBLOCK).exception()
+            self._last_rx = time.monotonic()
+            while not stream.done:
+                msg = queue.get_nowait() if not queue.empty() else await self._wait(asyncio.ensure_future(queue.get()))
+                yield stream.accept(msg)
+        finally:
+            del self._streams[rid]
+            if not stream.done:
+                self._send_nowait(P.Cancel(id=rid))
+
+    async def complete(self, prompt: str | None = None, **params) -> Completion:
+        """Run one generation to the end and return it whole (same arguments as :meth:`generate`)."""
+        return _join([chunk async for chunk in self.generate(prompt, **params)])
+
+    async def status(self) -> P.StatusReply:
+        """The daemon's live figures. Raises DaemonUnavailable if it does not answer."""
+        self._start()
+        waiter = asyncio.get_running_loop().create_future()
+        self._status_waiters.append(waiter)
+        self._send_nowait(P.Status())
+        self._last_rx = time.monotonic()
+        try:
+            return await self._wait(waiter)
+        finally:
+            if waiter in self._status_waiters:
+                self._status_waiters.remove(waiter)
+
+    async def wait_ready(self, timeout_s: float = 300.0) -> P.StatusReply:
+        """Poll ``status()`` until the daemon reports ready. Raises DaemonUnavailable on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                reply = await asyncio.wait_for(self.status(), timeout=min(2.0, max(0.01, deadline - time.monotonic())))
+                if reply.ready:
+                    return reply
+                await asyncio.sleep(0.05)
+            except (asyncio.TimeoutError, DaemonUnavailable):
+                pass
+            if time.monotonic() > deadline:
+                raise DaemonUnavailable(f"daemon at {self.address} not ready after {timeout_s:.0f} s")
+
+
+class Client:
+    """Blocking client for one thread; see the module docstring. Use as a context manager."""
+
+    def __init__(self, address: str | None = None, *, instance: str = "default", identity: bytes | None = None,
+                 heartbeat_s: float = DEFAULT_HEARTBEAT_S, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.address = address or default_socket(instance)
+        self.heartbeat_s = heartbeat_s
+        self.timeout_s = timeout_s
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.ROUTING_ID, identity or _new_identity())
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(self.address)
+        self._streams: dict[str, _Stream] = {}
+        self._status: deque[P.StatusReply] = deque()
+        self._ids = itertools.count()
+        self._prefix = os.urandom(4).hex()
+        self.stray_errors: deque[P.Error] = deque(maxlen=100)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Cancel open streams on the daemon and close the socket."""
+        for rid in list(self._streams):
+            self._send(P.Cancel(id=rid))
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def _send(self, msg) -> None:
+        self._sock.send(P.encode(msg), zmq.NOBLOCK)
+
+    def _pump(self) -> None:
+        """Receive one message (heartbeating while waiting) and route it."""
+        last_rx = time.monotonic()
+        while not self._sock.poll(int(self.heartbeat_s * 1000)):
+            if time.monotonic() - last_rx > self.timeout_s:
+                raise DaemonUnavailable(f"no answer from {self.address} for {self.timeout_s:.0f} s")
+            if self._streams:
+                self._send(P.Heartbeat())
+        try:
+            msg = P.SERVER_DECODER.decode(self._sock.recv())
+        except msgspec.DecodeError:
+            return
+        match msg:
+            case P.Chunk(id=rid) | P.Error(id=rid) if rid in self._streams:
+                self._streams[rid].inbox.append(msg)
+            case P.StatusReply():
+                self._status.append(msg)
+            case P.Error():
+                self.stray_errors.append(msg)
+
+    def generate(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
+                 id: str | None = None, **params) -> Iterator[P.Chunk]:
+        """Stream one generation; see :meth:`AsyncClient.generate` for arguments and errors."""
+        rid = id or f"{self._prefix}-{next(self._ids)}"
+        if rid in self._streams:
+            raise ValueError(f"request id {rid!r} is already open on this client")
+        msg = _generate_message(rid, prompt, prompt_token_ids, params)
+        stream = self._streams[rid] = _Stream(rid)
+        try:
+            self._send(msg)
+            while not stream.done:
+                while not stream.inbox:
+                    self._pump()
+                yield stream.accept(stream.inbox.popleft())
+        finally:
+            del self._streams[rid]
+            if not stream.done:
+                self._send(P.Cancel(id=rid))
+
+    def complete(self, prompt: str | None = None, **params) -> Completion:
+        """Run one generation to the end and return it whole."""
+        return _join(list(self.generate(prompt, **params)))
+
+    def status(self) -> P.StatusReply:
+        """The daemon's live figures. Raises DaemonUnavailable if it does not answer."""
+        self._status.clear()
+        self._send(P.Status())
+        while not self._status:
+            self._pump()
+        return self._status.popleft()
+
+    def wait_ready(self, timeout_s: float = 300.0) -> P.StatusReply:
+        """Poll ``status()`` until the daemon reports ready. Raises DaemonUnavailable on timeout."""
+        deadline = time.monotonic() + timeout_s
+        saved, self.timeout_s = self.timeout_s, min(self.timeout_s, 2.0)
+        try:
+            while True:
+                try:
+                    reply = self.status()
+                    if reply.ready:
+                        return reply
+                except DaemonUnavailable:
+                    pass
+                if time.monotonic() > deadline:
+                    raise DaemonUnavailable(f"daemon at {self.address} not ready after {timeout_s:.0f} s")
+                time.sleep(0.05)
+        finally:
+            self.timeout_s = saved

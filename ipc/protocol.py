@@ -1,0 +1,357 @@
+"""Every message that crosses a process boundary, as tagged msgspec structs.
+
+Two channels use these types:
+
+* the **client channel** (apps <-> front, ZeroMQ DEALER <-> ROUTER): a client
+  sends one of :data:`ClientMessage`, the front answers with
+  :data:`ServerMessage`;
+* the **worker channel** (front <-> worker processes, ZeroMQ PUSH/PULL): the
+  front sends :data:`WorkerCommand`, workers send :data:`WorkerEvent`. Tokens
+  themselves do not travel here; they go through the shared-memory ring
+  (:mod:`ipc.ring`), whose FINISH and ERROR records carry a msgpack-encoded
+  :class:`Finish` or :class:`WorkerError` payload.
+
+Encoding: msgpack, each struct ``array_like`` (``[tag, field, ...]``) with its
+tag first. Evolution is append-only: a new field goes at the end of its struct
+with a default, so a peer of the previous version still decodes it (the tests
+decode messages written by older layouts). Decoders are built once per
+direction (:data:`CLIENT_DECODER`, ...) and reused.
+
+Limits (the ``Meta`` constraints below) are part of the protocol: a frame that
+breaks them fails to decode with :class:`msgspec.ValidationError`, before the
+front allocates anything for it. ``MAX_FRAME_BYTES`` is the ZeroMQ
+``MAXMSGSIZE`` the front sets on its socket.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Union
+
+import msgspec
+from msgspec import Meta, Struct
+
+PROTOCOL_VERSION = 1
+
+MAX_FRAME_BYTES = 4 * 1024 * 1024
+"""Largest client frame the front accepts (ZeroMQ ``MAXMSGSIZE``), bytes."""
+MAX_ID_CHARS = 128
+MAX_PROMPT_CHARS = 1_000_000
+MAX_PROMPT_TOKEN_IDS = 262_144
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_TOKENS_LIMIT = 1_048_576
+"""Largest ``max_tokens`` the wire accepts; the model's context is checked later."""
+MAX_TEMPERATURE = 100.0
+MAX_TOKEN_ID = 2**31 - 1
+MAX_SEED = 2**63 - 1
+MAX_ADMIN_SETTINGS = 32
+
+RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
+TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
+Seconds = Annotated[float, Meta(gt=0, le=86_400)]
+
+_WIRE = dict(array_like=True, omit_defaults=True, gc=False, forbid_unknown_fields=False)
+
+
+class ErrorCode(enum.StrEnum):
+    """Typed error codes of :class:`Error`; each ends its request (terminal)."""
+
+    INVALID_REQUEST = "INVALID_REQUEST"
+    PROMPT_TOO_LONG = "PROMPT_TOO_LONG"
+    QUEUE_FULL = "QUEUE_FULL"
+    QUEUE_TIMEOUT = "QUEUE_TIMEOUT"
+    WORKER_FAILED = "WORKER_FAILED"
+    SHUTTING_DOWN = "SHUTTING_DOWN"
+    UNKNOWN_REQUEST = "UNKNOWN_REQUEST"
+    INTERNAL = "INTERNAL"
+
+
+class FinishReason(enum.StrEnum):
+    """Why a stream ended; carried by the last :class:`Chunk`."""
+
+    STOP = "stop"
+    """EOS, a stop token id or a stop string (``Chunk.stop_reason`` says which)."""
+    LENGTH = "length"
+    """``max_tokens`` reached, or the model's context is full."""
+    CANCELLED = "cancelled"
+    TIMEOUT = "timeout"
+    SHUTDOWN = "shutdown"
+    ERROR = "error"
+
+
+# --------------------------------------------------------------------------
+# client -> front
+
+
+class Generate(Struct, tag="generate", **_WIRE):
+    """Start a generation; answered by ``Chunk``s (``seq`` 0, 1, ...) and one
+    terminal message: a ``Chunk`` with ``finish_reason`` or an ``Error``.
+
+    Exactly one of ``prompt`` (text, tokenised by the daemon with the model's
+    tokenizer, special tokens such as BOS added) or ``prompt_token_ids`` is
+    given. ``temperature == 0`` is greedy decoding. ``top_k == 0`` and
+    ``top_p == 1`` switch those filters off. ``seed`` makes sampling
+    reproducible whatever else is batched with the request. ``stop`` strings
+    end the stream before the matched text (it is not sent); ``stop_token_ids``
+    and EOS (unless ``ignore_eos``) end it after that token. ``priority``:
+    lower is served first. ``queue_timeout_s`` bounds the wait before the first
+    token is scheduled, ``timeout_s`` the whole request, both in seconds; a
+    request may shorten, never lengthen, the daemon's defaults. With
+    ``stream=False`` the text arrives in one terminal ``Chunk``.
+    """
+
+    id: RequestId
+    prompt: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)] | None = None
+    prompt_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_PROMPT_TOKEN_IDS)] | None = None
+    max_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS_LIMIT)] = 16
+    temperature: Annotated[float, Meta(ge=0.0, le=MAX_TEMPERATURE)] = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)] = 0
+    seed: Annotated[int, Meta(ge=0, le=MAX_SEED)] | None = None
+    stop: Annotated[
+        list[Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]],
+        Meta(max_length=MAX_STOP_STRINGS),
+    ] = []
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
+    ignore_eos: bool = False
+    priority: Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)] = 0
+    queue_timeout_s: Seconds | None = None
+    timeout_s: Seconds | None = None
+    stream: bool = True
+
+
+class Cancel(Struct, tag="cancel", **_WIRE):
+    """Stop request ``id``; it ends with ``finish_reason="cancelled"``."""
+
+    id: RequestId
+
+
+class Heartbeat(Struct, tag="heartbeat", **_WIRE):
+    """Sent by a client with open requests at least every ``client_timeout_s / 3``.
+
+    The front answers with :class:`HeartbeatAck`, so a client can tell that
+    the daemon is alive too.
+    """
+
+
+class Status(Struct, tag="status", **_WIRE):
+    """Ask for live figures; answered by :class:`StatusReply`."""
+
+
+AdminValue = Union[bool, int, float, str]
+
+
+class Admin(Struct, tag="admin", **_WIRE):
+    """Change live settings (``{"max_concurrency": 8}``); answered by :class:`StatusReply`."""
+
+    settings: Annotated[dict[Annotated[str, Meta(max_length=64)], AdminValue], Meta(max_length=MAX_ADMIN_SETTINGS)]
+
+
+ClientMessage = Union[Generate, Cancel, Heartbeat, Status, Admin]
+
+
+# --------------------------------------------------------------------------
+# front -> client
+
+
+class Usage(Struct, **_WIRE):
+    """Token counts and timings of a finished request (seconds)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    queue_time_s: float = 0.0
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+
+
+class Chunk(Struct, tag="chunk", **_WIRE):
+    """A piece of a request's output.
+
+    ``seq`` counts this request's chunks from 0 with no gap. ``text`` is valid
+    UTF-8 (a character split across tokens is sent whole, with the later
+    token); ``token_ids`` are the tokens this chunk adds. The last chunk has
+    ``finish_reason`` and ``usage`` set and may carry no text.
+    """
+
+    id: str
+    seq: int
+    text: str = ""
+    token_ids: list[int] = []
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    usage: Usage | None = None
+
+
+class Error(Struct, tag="error", **_WIRE):
+    """A typed failure. With an ``id`` it is that request's terminal message;
+    with ``id=None`` it answers a frame that named no request (undecodable)."""
+
+    id: str | None
+    code: ErrorCode
+    message: str
+
+
+class HeartbeatAck(Struct, tag="heartbeat_ack", **_WIRE):
+    """Answer to :class:`Heartbeat`."""
+
+
+class WorkerStatus(Struct, **_WIRE):
+    """One worker as the front sees it."""
+
+    index: int
+    device: str
+    pid: int
+    alive: bool
+    running: int
+    max_num_seqs: int
+    max_model_len: int
+    kv_cache_tokens: int
+    kv_cache_tokens_used: int
+    ring_fill: float
+    requests_served: int
+
+
+class StatusReply(Struct, tag="status_reply", **_WIRE):
+    """Live figures of the daemon."""
+
+    version: str
+    ready: bool
+    state: str
+    uptime_s: float
+    waiting: int
+    running: int
+    queue_size: int
+    max_concurrency: int
+    requests_total: int
+    tokens_generated_total: int
+    workers: list[WorkerStatus]
+    settings: dict[str, AdminValue] = {}
+    counters: dict[str, int] = {}
+
+
+ServerMessage = Union[Chunk, Error, HeartbeatAck, StatusReply]
+
+
+# --------------------------------------------------------------------------
+# front -> worker
+
+
+class Assign(Struct, tag="assign", **_WIRE):
+    """Start generating request ``handle`` (unique within the daemon run).
+
+    ``output_token_ids`` are tokens the client has already received (resume
+    after preemption or a worker restart); the worker continues at
+    ``seq = len(output_token_ids)``.
+    """
+
+    handle: int
+    prompt_token_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    output_token_ids: list[int] = []
+
+
+class Abort(Struct, tag="abort", **_WIRE):
+    """Stop ``handle`` now; the worker answers with a FINISH record (cancelled)."""
+
+    handle: int
+
+
+class RingSpace(Struct, tag="ring_space", **_WIRE):
+    """Doorbell: the front freed ring space while the worker waited for it."""
+
+
+class Shutdown(Struct, tag="shutdown", **_WIRE):
+    """Finish nothing more; exit now."""
+
+
+WorkerCommand = Union[Assign, Abort, RingSpace, Shutdown]
+
+
+# --------------------------------------------------------------------------
+# worker -> front
+
+
+class WorkerReady(Struct, tag="worker_ready", **_WIRE):
+    """The worker loaded its model and warmed up; its capacity."""
+
+    worker: int
+    pid: int
+    device: str
+    max_num_seqs: int
+    max_model_len: int
+    kv_cache_tokens: int
+    kv_cache_bytes: int
+
+
+class WorkerStartFailed(Struct, tag="worker_start_failed", **_WIRE):
+    """The worker could not start (bad model path, bad device...)."""
+
+    worker: int
+    message: str
+
+
+class Doorbell(Struct, tag="doorbell", **_WIRE):
+    """Records are waiting in ring ``worker`` and the front was asleep."""
+
+    worker: int
+
+
+class WorkerHeartbeat(Struct, tag="worker_heartbeat", **_WIRE):
+    """Periodic liveness signal with the worker's load."""
+
+    worker: int
+    running: int
+    waiting: int
+    steps: int
+
+
+WorkerEvent = Union[WorkerReady, WorkerStartFailed, Doorbell, WorkerHeartbeat]
+
+
+# --------------------------------------------------------------------------
+# ring payloads
+
+
+class Finish(Struct, **_WIRE):
+    """Payload of a FINISH ring record: how request ``handle`` ended."""
+
+    finish_reason: FinishReason
+    stop_reason: str | int | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class WorkerError(Struct, **_WIRE):
+    """Payload of an ERROR ring record: the request failed inside the worker."""
+
+    code: ErrorCode
+    message: str
+
+
+# --------------------------------------------------------------------------
+# codecs, built once per direction
+
+ENCODER = msgspec.msgpack.Encoder()
+CLIENT_DECODER = msgspec.msgpack.Decoder(ClientMessage)
+SERVER_DECODER = msgspec.msgpack.Decoder(ServerMessage)
+COMMAND_DECODER = msgspec.msgpack.Decoder(WorkerCommand)
+EVENT_DECODER = msgspec.msgpack.Decoder(WorkerEvent)
+FINISH_DECODER = msgspec.msgpack.Decoder(Finish)
+WORKER_ERROR_DECODER = msgspec.msgpack.Decoder(WorkerError)
+
+DecodeError = msgspec.DecodeError
+"""Raised by every decoder for a malformed frame (``ValidationError`` is a subclass)."""
+
+def encode(message: Struct) -> bytes:
+    """Serialise one message to msgpack bytes."""
+    return ENCODER.encode(message)
+

@@ -1,0 +1,299 @@
+"""End-to-end: real daemon processes, real sockets, rings and the default model."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import statistics
+import time
+
+import msgspec
+import psutil
+import pytest
+import zmq
+
+from daemon.model import load_model, load_tokenizer, resolve_model_dir
+from ipc import protocol as P
+from ipc.client import AsyncClient, Client, PromptTooLong, QueueFull
+from tests.daemon_helpers import running_daemon
+
+MAX_TOKENS = 32
+PROMPTS = [
+    f"{head} {tail}"
+    for head in ("Return the", "The socket module", "Create a new", "If the file", "This class provides",
+                 "Raise an exception if", "Convert a string to", "A list of")
+    for tail in ("value.", "object and", "number of bytes", "path", "data from the server", "name of the",
+                 "current thread", "default encoding is")
+]
+assert len(PROMPTS) == 64
+
+
+class RawClient:
+    """A bare DEALER socket for protocol-level tests."""
+
+    def __init__(self, address: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+
+    def send(self, msg) -> None:
+        self.sock.send(msg if isinstance(msg, bytes) else P.encode(msg))
+
+    def recv(self, timeout_s: float = 30.0):
+        if not self.sock.poll(int(timeout_s * 1000)):
+            raise TimeoutError("no reply")
+        return P.SERVER_DECODER.decode(self.sock.recv())
+
+    def recv_until_terminal(self, rid: str, timeout_s: float = 60.0) -> list:
+        out = []
+        while True:
+            msg = self.recv(timeout_s)
+            if getattr(msg, "id", None) != rid:
+                continue
+            out.append(msg)
+            if isinstance(msg, P.Error) or msg.finish_reason is not None:
+                return out
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    with running_daemon(tmp_path_factory.mktemp("e2e")) as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Greedy ``generate()`` of the default model on one prompt alone (EOS ignored, as the daemon's ignore_eos)."""
+    import torch
+
+    info = resolve_model_dir(None)
+    model = load_model(info)
+    model.generation_config.eos_token_id = None
+    tokenizer = load_tokenizer(info)
+    cache: dict[tuple[str, int], list[int]] = {}
+
+    def run(prompt: str, max_tokens: int = MAX_TOKENS) -> list[int]:
+        if (prompt, max_tokens) not in cache:
+            ids = tokenizer.encode(prompt).ids
+            with torch.inference_mode():
+                out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                     max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                                     pad_token_id=info.eos_token_ids[0])
+            cache[(prompt, max_tokens)] = out[0, len(ids):].tolist()
+        return cache[(prompt, max_tokens)]
+
+    run.tokenizer = tokenizer
+    return run
+
+
+def _collect(address: str, prompts: list[str], **params) -> list[list[P.Chunk]]:
+    """Run each prompt on its own client, all at once; return every stream's chunks."""
+
+    async def one(prompt: str) -> list[P.Chunk]:
+        async with AsyncClient(address) as client:
+            return [chunk async for chunk in client.generate(prompt, **params)]
+
+    async def main():
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    return asyncio.run(main())
+
+
+def test_64_concurrent_clients_match_generate_alone(daemon, reference):
+    streams = _collect(daemon.address, PROMPTS, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    for prompt, chunks in zip(PROMPTS, streams):
+        assert [c.seq for c in chunks] == list(range(len(chunks)))
+        assert [c.finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+        assert chunks[-1].finish_reason == "length"
+        ids = [t for c in chunks for t in c.token_ids]
+        assert len(ids) == MAX_TOKENS == chunks[-1].usage.completion_tokens
+        # Exact: the engine computes each row as generate() does; no tolerance needed.
+        assert ids == reference(prompt), prompt
+        assert "".join(c.text for c in chunks) == reference.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_request_arriving_mid_decode_starts_before_the_running_one_ends(daemon):
+    async def main():
+        async with AsyncClient(daemon.address) as client:
+            events: dict[str, float] = {}
+            long_started = asyncio.Event()
+
+            async def long_request():
+                n = 0
+                async for chunk in client.generate("The socket module", max_tokens=300, temperature=0.0, ignore_eos=True):
+                    n += len(chunk.token_ids)
+                    if n >= 5:
+                        long_started.set()
+                events["long_end"] = time.monotonic()
+                return n
+
+            async def short_request():
+                await long_started.wait()
+                async for chunk in client.generate("Return the", max_tokens=4, temperature=0.0):
+                    events.setdefault("short_first", time.monotonic())
+                events["short_end"] = time.monotonic()
+
+            long_tokens, _ = await asyncio.gather(long_request(), short_request())
+            return events, long_tokens
+
+    events, long_tokens = asyncio.run(main())
+    assert long_tokens == 300
+    assert events["short_first"] < events["short_end"] < events["long_end"]
+
+
+def test_cancel_mid_stream_stops_generation_and_frees_the_slot(tmp_path):
+    with running_daemon(tmp_path, "--max-concurrency", "1") as d:
+        raw = RawClient(d.address)
+        try:
+            raw.send(P.Generate(id="a", prompt="Return the", max_tokens=400, temperature=0.0, ignore_eos=True))
+            seen = 0
+            while seen < 3:
+                msg = raw.recv()
+                seen += len(msg.token_ids)
+            raw.send(P.Cancel(id="a"))
+            rest = raw.recv_until_terminal("a")
+            final = rest[-1]
+            assert final.finish_reason == "cancelled"
+            after = sum(len(c.token_ids) for c in rest)
+            assert final.usage.completion_tokens == seen + after
+            assert after <= 8, f"{after} tokens arrived after the cancel"
+            # the only slot is free again: a new request runs to completion
+            raw.send(P.Generate(id="b", prompt="Return the", max_tokens=5, temperature=0.0))
+            assert raw.recv_until_terminal("b")[-1].finish_reason in ("length", "stop")
+            raw.send(P.Cancel(id="zzz"))
+            assert raw.recv().code == P.ErrorCode.UNKNOWN_REQUEST
+        finally:
+            raw.close()
+        with Client(d.address) as client:
+            status = client.status()
+        assert status.running == 0 and status.workers[0].kv_cache_tokens_used == 0
+
+
+def test_queue_full_is_immediate_and_the_daemon_keeps_serving(tmp_path):
+    with running_daemon(tmp_path, "--max-concurrency", "1", "--queue-size", "1") as d:
+        raw = RawClient(d.address)
+        try:
+            raw.send(P.Generate(id="run", prompt="Return the", max_tokens=400, temperature=0.0, ignore_eos=True))
+            assert raw.recv().id == "run"  # running now
+            raw.send(P.Generate(id="wait", prompt="Return the", max_tokens=4))
+            latencies = []
+            for i in range(5):
+                start = time.monotonic()
+                raw.send(P.Generate(id=f"full{i}", prompt="Return the", max_tokens=4))
+                reply = raw.recv_until_terminal(f"full{i}")[-1]
+                latencies.append(time.monotonic() - start)
+                assert isinstance(reply, P.Error) and reply.code == P.ErrorCode.QUEUE_FULL
+            assert statistics.median(latencies) < 0.050, latencies
+            raw.send(P.Cancel(id="run"))
+            assert raw.recv_until_terminal("run")[-1].finish_reason == "cancelled"
+            assert raw.recv_until_terminal("wait")[-1].finish_reason in ("length", "stop")
+        finally:
+            raw.close()
+        with Client(d.address) as client:
+            with pytest.raises(PromptTooLong):
+                client.complete("Return the", max_tokens=10**6)
+            assert client.complete("Return the", max_tokens=3).usage.completion_tokens == 3
+            assert QueueFull.code == P.ErrorCode.QUEUE_FULL
+
+
+BAD_FRAMES = [
+    (b"\xc1 not msgpack", None, P.ErrorCode.INVALID_REQUEST),
+    (msgspec.msgpack.encode(["generate", "t1", 123]), "t1", P.ErrorCode.INVALID_REQUEST),
+    (msgspec.msgpack.encode(["generate"]), None, P.ErrorCode.INVALID_REQUEST),
+    (msgspec.msgpack.encode(["generate", "m0", "x", None, 0]), "m0", P.ErrorCode.INVALID_REQUEST),
+    (msgspec.msgpack.encode(["generate", "m1", "x", None, -1]), "m1", P.ErrorCode.INVALID_REQUEST),
+    (msgspec.msgpack.encode(["generate", "m2", "x", None, 2**40]), "m2", P.ErrorCode.INVALID_REQUEST),
+    (P.encode(P.Generate(id="e", prompt="")), "e", P.ErrorCode.INVALID_REQUEST),
+    (P.encode(P.Generate(id="long", prompt="word " * 5000)), "long", P.ErrorCode.PROMPT_TOO_LONG),
+    (P.encode(P.Generate(id="ctx", prompt_token_ids=[5] * 600)), "ctx", P.ErrorCode.PROMPT_TOO_LONG),
+    (msgspec.msgpack.encode(["generate", "nan", "x", None, 4, float("nan")]), "nan", P.ErrorCode.INVALID_REQUEST),
+    (msgspec.msgpack.encode(["frobnicate", "u1"]), "u1", P.ErrorCode.INVALID_REQUEST),
+    (P.encode(P.Generate(id="vocab", prompt_token_ids=[10**6])), "vocab", P.ErrorCode.INVALID_REQUEST),
+    (P.encode(P.Generate(id="both", prompt="x", prompt_token_ids=[1])), "both", P.ErrorCode.INVALID_REQUEST),
+]
+
+
+def test_bad_input_gets_typed_errors_and_harms_no_other_stream(daemon):
+    solo = Client(daemon.address).complete("The default value", max_tokens=MAX_TOKENS, temperature=0.0)
+    raw = RawClient(daemon.address)
+    bystander = RawClient(daemon.address)
+    bystander.send(P.Heartbeat())
+    assert isinstance(bystander.recv(), P.HeartbeatAck)
+
+    async def concurrent_stream():
+        async with AsyncClient(daemon.address) as client:
+            return await client.complete("The default value", max_tokens=MAX_TOKENS, temperature=0.0)
+
+    async def main():
+        task = asyncio.create_task(concurrent_stream())
+        loop = asyncio.get_running_loop()
+        replies = []
+        for frame, rid, code in BAD_FRAMES:
+            raw.send(frame)
+            reply = await loop.run_in_executor(None, raw.recv, 10.0)
+            replies.append((reply, rid, code))
+        raw.sock.send_multipart([b"two", b"frames"])
+        replies.append((await loop.run_in_executor(None, raw.recv, 10.0), None, P.ErrorCode.INVALID_REQUEST))
+        return replies, await task
+
+    try:
+        replies, concurrent = asyncio.run(main())
+        for reply, rid, code in replies:
+            assert isinstance(reply, P.Error), reply
+            assert (reply.id, reply.code) == (rid, code), reply
+        assert concurrent.token_ids == solo.token_ids and concurrent.text == solo.text
+        assert not bystander.sock.poll(200), "an error reached another client"
+    finally:
+        raw.close()
+        bystander.close()
+
+
+@pytest.mark.parametrize("prompt", ["Привет, мир! Это тест", "日本語のテキストと漢字", "emoji 🎉🚀 and ünïcödé"])
+def test_utf8_prompts_round_trip(daemon, reference, prompt):
+    with Client(daemon.address) as client:
+        chunks = list(client.generate(prompt, max_tokens=24, temperature=1.0, seed=7))
+        ids = [t for c in chunks for t in c.token_ids]
+        text = "".join(c.text for c in chunks)
+        assert text == reference.tokenizer.decode(ids, skip_special_tokens=True)
+        assert all(c.text.encode("utf-8").decode("utf-8") == c.text for c in chunks)
+        again = client.complete(prompt_token_ids=reference.tokenizer.encode(prompt).ids, max_tokens=24,
+                                temperature=1.0, seed=7)
+        assert again.token_ids == ids
+
+
+def test_two_cpu_workers_both_serve(tmp_path, reference):
+    with running_daemon(tmp_path, "--devices", "cpu,cpu") as d:
+        prompts = PROMPTS[:8]
+        streams = _collect(d.address, prompts, max_tokens=8, temperature=0.0, ignore_eos=True)
+        for prompt, chunks in zip(prompts, streams):
+            assert [t for c in chunks for t in c.token_ids] == reference(prompt)[:8]
+        with Client(d.address) as client:
+            workers = client.status().workers
+        assert len(workers) == 2 and all(w.requests_served > 0 for w in workers), workers
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_stop_signal_drains_and_leaves_nothing(tmp_path, sig):
+    with running_daemon(tmp_path) as d:
+        workers = d.worker_pids()
+        assert workers and d.segments()
+
+        async def stream_during_stop():
+            async with AsyncClient(d.address) as client:
+                chunks = []
+                async for chunk in client.generate("Return the", max_tokens=64, temperature=0.0, ignore_eos=True):
+                    chunks.append(chunk)
+                    if len(chunks) == 1:
+                        d.proc.send_signal(sig)
+                return chunks
+
+        chunks = asyncio.run(stream_during_stop())
+        assert chunks[-1].finish_reason == "length"  # drained, not cut
+        assert d.stop() == 0
+        assert not d.segments()
+        assert not [p for p in workers if psutil.pid_exists(p)]

@@ -1,0 +1,86 @@
+"""Wire protocol: round trips, limits, and messages written by older peers."""
+
+import math
+
+import msgspec
+import pytest
+
+from ipc import protocol as P
+
+CLIENT_MESSAGES = [
+    P.Generate(id="a", prompt="hello", max_tokens=8, temperature=0.0, stop=["\n"], seed=3, priority=-2),
+    P.Generate(id="b", prompt_token_ids=[1, 2, 3], stream=False, queue_timeout_s=0.5, timeout_s=2.0),
+    P.Cancel(id="a"),
+    P.Heartbeat(),
+    P.Status(),
+    P.Admin(settings={"max_concurrency": 8, "preemption": False, "aging_rate": 0.5, "policy": "evict"}),
+]
+SERVER_MESSAGES = [
+    P.Chunk(id="a", seq=0, text="héllo 🎉", token_ids=[5, 6]),
+    P.Chunk(id="a", seq=1, finish_reason=P.FinishReason.STOP, stop_reason="\n", usage=P.Usage(3, 2, 0.1, 0.2, 0.3)),
+    P.Error(id=None, code=P.ErrorCode.INVALID_REQUEST, message="bad"),
+    P.HeartbeatAck(),
+]
+WORKER_MESSAGES = [
+    (P.COMMAND_DECODER, P.Assign(handle=1, prompt_token_ids=[1], max_tokens=2, temperature=0.0, top_p=1.0, top_k=0,
+                                 seed=None, stop=[], stop_token_ids=[], ignore_eos=False, output_token_ids=[4])),
+    (P.COMMAND_DECODER, P.Abort(handle=1)),
+    (P.COMMAND_DECODER, P.Shutdown()),
+    (P.EVENT_DECODER, P.WorkerReady(worker=0, pid=1, device="cpu", max_num_seqs=4, max_model_len=512,
+                                    kv_cache_tokens=2048, kv_cache_bytes=1 << 20)),
+    (P.EVENT_DECODER, P.Doorbell(worker=1)),
+    (P.FINISH_DECODER, P.Finish(finish_reason=P.FinishReason.LENGTH, prompt_tokens=3, completion_tokens=4)),
+]
+
+
+@pytest.mark.parametrize("msg", CLIENT_MESSAGES)
+def test_client_messages_round_trip(msg):
+    assert P.CLIENT_DECODER.decode(P.encode(msg)) == msg
+
+
+@pytest.mark.parametrize("msg", SERVER_MESSAGES)
+def test_server_messages_round_trip(msg):
+    assert P.SERVER_DECODER.decode(P.encode(msg)) == msg
+
+
+@pytest.mark.parametrize("decoder,msg", WORKER_MESSAGES)
+def test_worker_messages_round_trip(decoder, msg):
+    assert decoder.decode(P.encode(msg)) == msg
+
+
+def test_messages_of_an_older_peer_decode_with_defaults():
+    # Version-1 peers may send only the leading fields; newer fields take their defaults.
+    old_generate = msgspec.msgpack.encode(["generate", "r1", "prompt text", None, 5])
+    msg = P.CLIENT_DECODER.decode(old_generate)
+    assert (msg.id, msg.prompt, msg.max_tokens, msg.temperature, msg.stream) == ("r1", "prompt text", 5, 1.0, True)
+    old_chunk = msgspec.msgpack.encode(["chunk", "r1", 0, "text"])
+    assert P.SERVER_DECODER.decode(old_chunk) == P.Chunk(id="r1", seq=0, text="text")
+    old_status = msgspec.msgpack.encode(["status_reply", "0.1", True, "serving", 1.0, 0, 0, 10, 4, 0, 0, []])
+    assert P.SERVER_DECODER.decode(old_status).counters == {}
+
+
+def test_newer_peer_fields_are_ignored():
+    newer = msgspec.msgpack.encode(["cancel", "r1", "a field from the future"])
+    assert P.CLIENT_DECODER.decode(newer) == P.Cancel(id="r1")
+
+
+@pytest.mark.parametrize("fields", [
+    dict(max_tokens=0), dict(max_tokens=-1), dict(max_tokens=2**40), dict(temperature=math.nan),
+    dict(temperature=math.inf), dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
+    dict(stop=["x"] * (P.MAX_STOP_STRINGS + 1)), dict(stop=[""]), dict(stop_token_ids=[-1]),
+    dict(queue_timeout_s=0.0), dict(timeout_s=-1.0), dict(seed=-1),
+])
+def test_out_of_range_fields_fail_to_decode(fields):
+    frame = P.encode(P.Generate(id="x", prompt="p", **fields))
+    with pytest.raises(msgspec.ValidationError):
+        P.CLIENT_DECODER.decode(frame)
+
+
+@pytest.mark.parametrize("frame", [
+    b"", b"\xc1", b"\x92", msgspec.msgpack.encode(["nope"]), msgspec.msgpack.encode({"id": "x"}),
+    msgspec.msgpack.encode(["generate", "x" * (P.MAX_ID_CHARS + 1)]), msgspec.msgpack.encode(["generate", ""]),
+    b"\xdd\xff\xff\xff\xff", msgspec.msgpack.encode(["cancel", [[[[[[[[[[1]]]]]]]]]]]),
+])
+def test_malformed_frames_raise_decode_error(frame):
+    with pytest.raises(msgspec.DecodeError):
+        P.CLIENT_DECODER.decode(frame)
