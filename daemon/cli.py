@@ -8,6 +8,8 @@ import sys
 
 import msgspec
 
+from ipc.protocol import to_dict
+
 
 def _add_address(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--socket", help="daemon address (default: the instance's ipc socket)")
@@ -94,7 +96,7 @@ def _generate(args: argparse.Namespace) -> int:
         with Client(args.socket, instance=args.instance) as client:
             for chunk in client.generate(args.prompt, **params):
                 if args.json:
-                    sys.stdout.write(msgspec.json.encode(msgspec.to_builtins(chunk)).decode() + "\n")
+                    sys.stdout.write(msgspec.json.encode(to_dict(chunk)).decode() + "\n")
                 else:
                     sys.stdout.write(chunk.text)
                 sys.stdout.flush()
@@ -117,7 +119,7 @@ def _status(args: argparse.Namespace) -> int:
         print(f"ringstream: {exc}", file=sys.stderr)
         return 1
     if args.json:
-        print(msgspec.json.format(msgspec.json.encode(reply), indent=2).decode())
+        print(msgspec.json.format(msgspec.json.encode(to_dict(reply)), indent=2).decode())
         return 0
     print(f"ringstream {reply.version}: {reply.state}, up {reply.uptime_s:.0f} s; "
           f"{reply.running} running, {reply.waiting} waiting (queue {reply.queue_size}); "

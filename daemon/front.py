@@ -211,14 +211,19 @@ class Front:
         for worker in self.workers:
             if worker.process is not None:
                 loop.remove_reader(worker.process.sentinel)
-        await asyncio.gather(*(asyncio.to_thread(stop_process, w) for w in self.workers))
-        release_workers(self.workers)
-        for sock in (self.router, self.events):
-            if sock is not None:
-                sock.close(linger=0)
-        self.ctx.term()
-        if self.lock is not None:
-            self.lock.release()
+        try:
+            for worker in self.workers:
+                if worker.process is not None and worker.process.is_alive():
+                    worker.send(P.Shutdown())
+            await asyncio.gather(*(asyncio.to_thread(stop_process, w) for w in self.workers))
+        finally:
+            release_workers(self.workers)
+            for sock in (self.router, self.events):
+                if sock is not None:
+                    sock.close(linger=0)
+            self.ctx.term()
+            if self.lock is not None:
+                self.lock.release()
         log.info("stopped")
 
     # ------------------------------------------------------------ workers

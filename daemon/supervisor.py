@@ -104,7 +104,7 @@ def create_workers(
         for index, device in enumerate(devices):
             name = ring_name(config.instance, index)
             ring = RingConsumer.create(name, config.ring_bytes, mode=config.socket_mode, instance_id=secrets.randbits(63))
-            commands = ctx.socket(zmq.PUSH)
+            commands = zmq.Socket(ctx, zmq.PUSH)  # a plain socket, also on an asyncio context
             commands.setsockopt(zmq.SNDHWM, 0)
             commands.setsockopt(zmq.LINGER, 0)
             address = f"ipc://{rundir / f'{config.instance}.w{index}.cmd'}"
@@ -136,16 +136,11 @@ def spawn(worker: WorkerProcess) -> None:
 
 
 def stop_process(worker: WorkerProcess) -> None:
-    """Stop a worker's process: ``Shutdown``, join, SIGTERM, join, SIGKILL. Blocking."""
+    """Join a worker told to shut down; SIGTERM, then SIGKILL past each deadline. Blocking."""
     proc = worker.process
     if proc is None:
         return
-    if proc.is_alive():
-        try:
-            worker.send(P.Shutdown())
-        except zmq.ZMQError:
-            log.debug("worker %d: shutdown message not sent", worker.index)
-        proc.join(JOIN_GRACE_S)
+    proc.join(JOIN_GRACE_S)
     if proc.is_alive():
         log.warning("worker %d did not exit; terminating", worker.index)
         proc.terminate()

@@ -141,7 +141,9 @@ class Worker:
         spec = self.spec
         try:
             import torch
+            from transformers.utils import logging as hf_logging
 
+            hf_logging.disable_progress_bar()
             if spec.device == "cpu":
                 torch.set_num_threads(spec.threads)
             elif not torch.cuda.is_available() or int(spec.device.split(":")[1]) >= torch.cuda.device_count():

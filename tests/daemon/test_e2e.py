@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import statistics
 import time
@@ -297,3 +298,28 @@ def test_stop_signal_drains_and_leaves_nothing(tmp_path, sig):
         assert d.stop() == 0
         assert not d.segments()
         assert not [p for p in workers if psutil.pid_exists(p)]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "/nonexistent/model"], "/nonexistent/model"),
+    (["--devices", "cuda:7"], "cuda:7"),
+])
+def test_start_failure_exits_non_zero_with_a_clear_message(tmp_path, args, message):
+    with running_daemon(tmp_path, *args, ready=False) as d:
+        code = d.proc.wait(120)
+        assert code != 0
+        assert message in d.log()
+        assert not d.segments()
+
+
+def test_workers_exit_when_the_front_is_killed(tmp_path):
+    with running_daemon(tmp_path) as d:
+        workers = d.worker_pids()
+        d.proc.kill()
+        d.proc.wait()
+        deadline = time.monotonic() + 5.0
+        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in workers):
+            assert time.monotonic() < deadline, "workers outlived the front by 5 s"
+            time.sleep(0.05)
+        for path in d.segments():  # the owner died before it could unlink; the next start would reclaim it
+            os.unlink(path)

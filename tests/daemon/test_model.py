@@ -1,0 +1,290 @@
+"""Tests for daemon.model (model directory loading) and the default-model builder."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from daemon.model import (
+    DEFAULT_MODEL_DIR,
+    ModelError,
+    ModelInfo,
+    load_model,
+    load_tokenizer,
+    resolve_model_dir,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+DEFAULT_BOS_ID = 0
+DEFAULT_EOS_ID = 1
+DEFAULT_PAD_ID = 2
+DEFAULT_VOCAB = 4096
+DEFAULT_MAX_LEN = 512
+MAX_DEFAULT_MODEL_BYTES = 10 * 1024 * 1024
+GREEDY_NEW_TOKENS = 24
+MIN_PRINTABLE_FRACTION = 0.9
+SMOKE_DOCS = 150
+SMOKE_BATCH = 2
+
+ROUND_TRIP_TEXTS = [
+    "Return the number of items in the container.",
+    "  leading spaces, trailing tab\t",
+    "line one\nline two\n\n    indented = {'a': 1}\n",
+    "emoji: 😀🎉👍🏽 and a flag 🇳🇴",
+    "中文字符测试，日本語のテキスト、한국어",
+    "Привет, мир! Ёлка и щётка.",
+    "mixed: café naïve Ωmega ∑ x² → ∞",
+    "",
+]
+
+
+def _printable_fraction(text: str) -> float:
+    return sum(ch.isprintable() or ch.isspace() for ch in text) / len(text)
+
+
+def _write_model_dir(path: Path, config: dict, generation: dict | None = None) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "tokenizer.json").write_text((DEFAULT_MODEL_DIR / "tokenizer.json").read_text())
+    if generation is not None:
+        (path / "generation_config.json").write_text(json.dumps(generation))
+    return path
+
+
+@pytest.fixture(scope="module")
+def default_info() -> ModelInfo:
+    return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="module")
+def default_model(default_info):
+    return load_model(default_info)
+
+
+@pytest.fixture(scope="module")
+def auto_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR, local_files_only=True)
+
+
+def test_default_model_info(default_info):
+    assert default_info == ModelInfo(
+        path=DEFAULT_MODEL_DIR.resolve(),
+        max_model_len=DEFAULT_MAX_LEN,
+        eos_token_ids=(DEFAULT_EOS_ID,),
+        bos_token_id=DEFAULT_BOS_ID,
+        vocab_size=DEFAULT_VOCAB,
+        model_type="llama",
+    )
+    assert resolve_model_dir(str(DEFAULT_MODEL_DIR)) == default_info
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        default_info.max_model_len = 1  # type: ignore[misc]
+
+
+def test_default_model_fits_size_budget():
+    size = sum(p.stat().st_size for p in DEFAULT_MODEL_DIR.iterdir() if p.is_file())
+    assert size <= MAX_DEFAULT_MODEL_BYTES
+    facts = json.loads((DEFAULT_MODEL_DIR / "training.json").read_text())
+    assert facts["steps"] > 0 and facts["final_loss"] > 0
+
+
+def test_default_tokenizer_special_tokens(default_info):
+    tokenizer = load_tokenizer(default_info)
+    assert tokenizer.get_vocab_size() == DEFAULT_VOCAB
+    assert tokenizer.token_to_id("<s>") == DEFAULT_BOS_ID
+    assert tokenizer.token_to_id("</s>") == DEFAULT_EOS_ID
+    assert tokenizer.token_to_id("<pad>") == DEFAULT_PAD_ID
+    assert tokenizer.encode("Return the").ids[0] == DEFAULT_BOS_ID
+
+
+@pytest.mark.parametrize("text", ROUND_TRIP_TEXTS)
+def test_tokenizers_and_auto_tokenizer_agree(default_info, auto_tokenizer, text):
+    tokenizer = load_tokenizer(default_info)
+    ids = tokenizer.encode(text).ids
+    assert ids == auto_tokenizer(text).input_ids
+    assert ids[0] == DEFAULT_BOS_ID
+    assert tokenizer.decode(ids, skip_special_tokens=True) == text
+    assert auto_tokenizer.decode(ids, skip_special_tokens=True) == text
+
+
+def test_auto_tokenizer_special_ids(auto_tokenizer):
+    assert auto_tokenizer.bos_token_id == DEFAULT_BOS_ID
+    assert auto_tokenizer.eos_token_id == DEFAULT_EOS_ID
+    assert auto_tokenizer.pad_token_id == DEFAULT_PAD_ID
+
+
+def test_default_model_loads_in_eval_float32(default_model):
+    import torch
+
+    assert not default_model.training
+    assert next(default_model.parameters()).dtype == torch.float32
+    assert default_model.config.vocab_size == DEFAULT_VOCAB
+
+
+def test_default_model_greedy_generation(default_info, default_model):
+    import torch
+
+    tokenizer = load_tokenizer(default_info)
+    prompt = tokenizer.encode("Return the").ids
+    input_ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = default_model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=GREEDY_NEW_TOKENS,
+            do_sample=False,
+        )
+    new_ids = out[0, len(prompt) :].tolist()
+    text = tokenizer.decode(new_ids, skip_special_tokens=True)
+    assert text.strip()
+    assert _printable_fraction(text) >= MIN_PRINTABLE_FRACTION
+
+
+def test_load_model_bfloat16(default_info):
+    import torch
+
+    model = load_model(default_info, dtype="bfloat16")
+    assert next(model.parameters()).dtype == torch.bfloat16
+
+
+def test_load_model_rejects_unknown_dtype(default_info):
+    with pytest.raises(ModelError, match="unsupported dtype"):
+        load_model(default_info, dtype="int3")
+
+
+def test_load_model_wraps_bad_weights(tmp_path, default_info):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (broken / name).write_text((DEFAULT_MODEL_DIR / name).read_text())
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ModelError, match=str(broken.resolve())):
+        load_model(resolve_model_dir(broken))
+
+
+def test_resolve_missing_dir(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(ModelError, match="does not exist"):
+        resolve_model_dir(missing)
+
+
+def test_resolve_file_instead_of_dir(tmp_path):
+    path = tmp_path / "file"
+    path.write_text("")
+    with pytest.raises(ModelError, match="not a directory"):
+        resolve_model_dir(path)
+
+
+def test_resolve_dir_without_tokenizer(tmp_path):
+    (tmp_path / "config.json").write_text((DEFAULT_MODEL_DIR / "config.json").read_text())
+    with pytest.raises(ModelError, match="no tokenizer.json; ringstream needs a fast"):
+        resolve_model_dir(tmp_path)
+
+
+def test_resolve_dir_without_config(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ModelError, match="no config.json"):
+        resolve_model_dir(tmp_path)
+
+
+def test_resolve_malformed_config(tmp_path):
+    _write_model_dir(tmp_path, {})
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelError, match="not valid JSON"):
+        resolve_model_dir(tmp_path)
+
+
+def test_resolve_config_without_context_length(tmp_path):
+    _write_model_dir(tmp_path, {"vocab_size": 10, "eos_token_id": 1})
+    with pytest.raises(ModelError, match="context length"):
+        resolve_model_dir(tmp_path)
+
+
+def test_resolve_config_without_eos(tmp_path):
+    _write_model_dir(tmp_path, {"vocab_size": 10, "max_position_embeddings": 8})
+    with pytest.raises(ModelError, match="eos_token_id"):
+        resolve_model_dir(tmp_path)
+
+
+def test_resolve_fallbacks_and_generation_config(tmp_path):
+    info = resolve_model_dir(
+        _write_model_dir(
+            tmp_path,
+            {"model_type": "gpt2", "vocab_size": 50, "n_positions": 64, "eos_token_id": 3},
+            generation={"eos_token_id": [7, 9, 7], "bos_token_id": None},
+        )
+    )
+    assert info.max_model_len == 64
+    assert info.eos_token_ids == (7, 9)
+    assert info.bos_token_id is None
+    assert info.model_type == "gpt2"
+
+
+def test_resolve_nested_text_config(tmp_path):
+    config = {
+        "model_type": "multimodal",
+        "text_config": {"vocab_size": 50, "max_sequence_length": 32, "eos_token_id": [2]},
+    }
+    info = resolve_model_dir(_write_model_dir(tmp_path, config))
+    assert (info.max_model_len, info.eos_token_ids, info.vocab_size) == (32, (2,), 50)
+
+
+def test_module_import_stays_free_of_torch():
+    code = (
+        "import sys, daemon.model; "
+        "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]; "
+        "sys.exit(f'imported {heavy}' if heavy else 0)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_make_model_smoke(tmp_path):
+    import torch
+
+    from tools import make_model
+
+    out = tmp_path / "tiny"
+    threads = torch.get_num_threads()
+    try:
+        status = make_model.main(
+            [
+                "--out", str(out),
+                "--max-steps", "2",
+                "--max-docs", str(SMOKE_DOCS),
+                "--batch-size", str(SMOKE_BATCH),
+                "--threads", "2",
+            ]
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    assert status == 0
+    facts = json.loads((out / "training.json").read_text())
+    assert facts["steps"] == 2
+    assert facts["corpus_docs"] == SMOKE_DOCS
+    assert facts["batch_size"] == SMOKE_BATCH
+
+    info = resolve_model_dir(out)
+    assert info.eos_token_ids == (DEFAULT_EOS_ID,)
+    assert info.bos_token_id == DEFAULT_BOS_ID
+    model = load_model(info)
+    tokenizer = load_tokenizer(info)
+    input_ids = torch.tensor([tokenizer.encode("Return the").ids])
+    with torch.inference_mode():
+        generated = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=4,
+            min_new_tokens=4,
+            do_sample=False,
+        )
+    assert generated.shape == (1, input_ids.shape[1] + 4)
