@@ -114,6 +114,7 @@ class Worker:
         self.handles: set[int] = set()
         self.deferred: list = []
         self.waiting_space = False
+        self.unpublished = False
         self.steps = 0
         self.next_heartbeat = 0.0
         signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -186,6 +187,7 @@ class Worker:
             busy = engine.has_unfinished()
             self._take_commands(0 if busy else idle_ms)
             if not engine.has_unfinished():
+                self._publish()  # records written by commands alone (e.g. an abort's FINISH)
                 continue
             try:
                 outputs = engine.step()
@@ -293,6 +295,7 @@ class Worker:
             if ring.arm_space(ring.record_size(len(payload))):
                 self._wait_space()
             ring.disarm_space()
+        self.unpublished = True
 
     def _wait_space(self) -> None:
         """Block until the front frees ring space; Assign/Abort wait for the step's end."""
@@ -304,5 +307,7 @@ class Worker:
             self.waiting_space = False
 
     def _publish(self) -> None:
-        if self.ring.publish():
-            self._send(P.Doorbell(worker=self.spec.index))
+        if self.unpublished:
+            self.unpublished = False
+            if self.ring.publish():
+                self._send(P.Doorbell(worker=self.spec.index))

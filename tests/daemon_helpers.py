@@ -25,6 +25,20 @@ from ipc.client import Client
 
 READY_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 60.0
+CHILD_EXIT_S = 5.0
+"""Children (workers, multiprocessing's resource tracker) get this long to exit after the daemon."""
+
+
+def wait_exit(pids: list[int], timeout_s: float) -> list[int]:
+    """Wait for processes to exit; return those still running (zombies count as exited)."""
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    return [p.pid for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
 @dataclass
@@ -87,7 +101,7 @@ def running_daemon(tmp_path: Path, *args: str, ready: bool = True):
         leftovers = daemon.segments()
         for path in leftovers:
             os.unlink(path)
-        alive = [pid for pid in children if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        alive = [pid for pid in wait_exit(children, CHILD_EXIT_S)]
         for pid in alive:
             os.kill(pid, signal.SIGKILL)
         if clean_exit:

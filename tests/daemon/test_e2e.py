@@ -16,7 +16,7 @@ import zmq
 from daemon.model import load_model, load_tokenizer, resolve_model_dir
 from ipc import protocol as P
 from ipc.client import AsyncClient, Client, PromptTooLong, QueueFull
-from tests.daemon_helpers import running_daemon
+from tests.daemon_helpers import wait_exit, running_daemon
 
 MAX_TOKENS = 32
 PROMPTS = [
@@ -220,7 +220,8 @@ BAD_FRAMES = [
 
 
 def test_bad_input_gets_typed_errors_and_harms_no_other_stream(daemon):
-    solo = Client(daemon.address).complete("The default value", max_tokens=MAX_TOKENS, temperature=0.0)
+    with Client(daemon.address) as client:
+        solo = client.complete("The default value", max_tokens=MAX_TOKENS, temperature=0.0)
     raw = RawClient(daemon.address)
     bystander = RawClient(daemon.address)
     bystander.send(P.Heartbeat())
@@ -297,7 +298,7 @@ def test_stop_signal_drains_and_leaves_nothing(tmp_path, sig):
         assert chunks[-1].finish_reason == "length"  # drained, not cut
         assert d.stop() == 0
         assert not d.segments()
-        assert not [p for p in workers if psutil.pid_exists(p)]
+        assert not wait_exit(workers, 5.0)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -317,9 +318,6 @@ def test_workers_exit_when_the_front_is_killed(tmp_path):
         workers = d.worker_pids()
         d.proc.kill()
         d.proc.wait()
-        deadline = time.monotonic() + 5.0
-        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in workers):
-            assert time.monotonic() < deadline, "workers outlived the front by 5 s"
-            time.sleep(0.05)
+        assert not wait_exit(workers, 5.0), "workers outlived the front by 5 s"
         for path in d.segments():  # the owner died before it could unlink; the next start would reclaim it
             os.unlink(path)
