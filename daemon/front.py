@@ -344,7 +344,7 @@ class Front:
             rid = _guess_id(frames[1])
             if client is not None and rid in client.requests:
                 rid = None  # never end a live stream because of another, broken frame
-            self._reply(identity, P.Error(id=rid, code=P.ErrorCode.INVALID_REQUEST, message=f"bad message: {exc}"))
+            self._reply(identity, P.Error(id=rid, code=P.ErrorCode.INVALID_REQUEST, message=f"bad message: {P.explain(exc, frames[1])}"))
             return
         match msg:
             case P.Generate():

@@ -26,6 +26,7 @@ front allocates anything for it. ``MAX_FRAME_BYTES`` is the ZeroMQ
 from __future__ import annotations
 
 import enum
+import re
 from typing import Annotated, Union
 
 import msgspec
@@ -354,4 +355,29 @@ DecodeError = msgspec.DecodeError
 def encode(message: Struct) -> bytes:
     """Serialise one message to msgpack bytes."""
     return ENCODER.encode(message)
+
+
+_CLIENT_FIELDS = {cls.__struct_config__.tag: cls.__struct_fields__ for cls in ClientMessage.__args__}
+_PATH_INDEX = re.compile(r"`\$\[(\d+)\]")
+
+
+def explain(error: msgspec.DecodeError, frame: bytes) -> str:
+    """The decode error of a client frame, with array positions named by field (``$[4]`` -> ``max_tokens``)."""
+    text = str(error)
+    match = _PATH_INDEX.search(text)
+    if match is None:
+        return text
+    try:
+        tag = msgspec.msgpack.decode(frame)[0]
+        field = _CLIENT_FIELDS[tag][int(match.group(1)) - 1]
+    except (msgspec.DecodeError, LookupError, TypeError):
+        return text
+    return text[: match.start()] + f"`{field}" + text[match.end():]
+
+
+def to_dict(message: Struct) -> dict:
+    """A message as a dict keyed by field name (nested structs too), e.g. for JSON output."""
+    return {name: to_dict(value) if isinstance(value, Struct) else
+            [to_dict(v) if isinstance(v, Struct) else v for v in value] if isinstance(value, list) else value
+            for name in message.__struct_fields__ for value in (getattr(message, name),)}
 

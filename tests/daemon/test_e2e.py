@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import statistics
+import subprocess
+import sys
 import time
 
 import msgspec
@@ -321,3 +324,28 @@ def test_workers_exit_when_the_front_is_killed(tmp_path):
         assert not wait_exit(workers, 5.0), "workers outlived the front by 5 s"
         for path in d.segments():  # the owner died before it could unlink; the next start would reclaim it
             os.unlink(path)
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "daemon.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_generate_and_status(daemon):
+    out = _cli("generate", "--socket", daemon.address, "--max-tokens", "5", "--temperature", "0", "--json", "Return the")
+    assert out.returncode == 0, out.stderr
+    chunks = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [c["seq"] for c in chunks] == list(range(len(chunks)))
+    assert chunks[-1]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 5
+    out = _cli("generate", "--socket", daemon.address, "--max-tokens", "5", "--temperature", "0", "Return the")
+    assert out.returncode == 0 and out.stdout == "".join(c["text"] for c in chunks)  # stdout: the text, exactly
+    out = _cli("status", "--socket", daemon.address, "--json")
+    status = json.loads(out.stdout)
+    assert status["ready"] is True and status["workers"][0]["alive"] is True
+    out = _cli("generate", "--socket", daemon.address, "--max-tokens", "0", "x")
+    assert out.returncode == 1 and "max_tokens" in out.stderr
+
+
+def test_demo_runs_streams_and_stops_cleanly():
+    out = _cli("demo", "--requests", "4", "--max-tokens", "8", timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "tok/s" in out.stdout and "TTFT" in out.stdout and "exit code 0" in out.stdout

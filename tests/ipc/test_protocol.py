@@ -84,3 +84,17 @@ def test_out_of_range_fields_fail_to_decode(fields):
 def test_malformed_frames_raise_decode_error(frame):
     with pytest.raises(msgspec.DecodeError):
         P.CLIENT_DECODER.decode(frame)
+
+
+def test_decode_errors_name_the_field():
+    frame = msgspec.msgpack.encode(["generate", "r", "x", None, 5, 1.0, 1.0, 0, None, ["ok", 5]])
+    with pytest.raises(msgspec.ValidationError) as info:
+        P.CLIENT_DECODER.decode(frame)
+    assert P.explain(info.value, frame) == "Expected `str`, got `int` - at `stop[1]`"
+    assert P.explain(msgspec.DecodeError("boom"), b"\xc1") == "boom"
+
+
+def test_to_dict_names_fields_recursively():
+    chunk = P.Chunk(id="a", seq=1, finish_reason=P.FinishReason.LENGTH, usage=P.Usage(1, 2))
+    as_dict = P.to_dict(chunk)
+    assert as_dict["finish_reason"] == "length" and as_dict["usage"]["completion_tokens"] == 2
