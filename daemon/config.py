@@ -45,6 +45,12 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Requests waiting at most (all workers); a request beyond it gets ``QUEUE_FULL`` at once."""
     client_timeout_s: float = 10.0
     """A client with open requests that sends nothing for this long is gone: its requests are cancelled."""
+    queue_timeout_s: float | None = None
+    """Default bound on a request's wait in the queue (``QUEUE_TIMEOUT``); None = no bound.
+    A request may shorten it, never lengthen it."""
+    timeout_s: float = 60.0
+    """Default bound on a request's whole life; past it the stream ends with ``finish_reason="timeout"``
+    after the tokens it has. A request may shorten it, never lengthen it."""
     drain_timeout_s: float = 30.0
     """On SIGTERM, running streams get this long to finish before they end with ``shutdown``."""
     worker_start_timeout_s: float = 300.0
@@ -70,7 +76,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         for name in ("max_concurrency", "max_num_batched_tokens", "queue_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} = {getattr(self, name)}: must be >= 1")
-        for name in ("client_timeout_s", "drain_timeout_s", "worker_start_timeout_s", "worker_heartbeat_s"):
+        if self.queue_timeout_s is not None and not self.queue_timeout_s > 0:
+            raise ValueError(f"queue_timeout_s = {self.queue_timeout_s}: must be > 0 seconds")
+        for name in ("client_timeout_s", "timeout_s", "drain_timeout_s", "worker_start_timeout_s",
+                     "worker_heartbeat_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} = {getattr(self, name)}: must be > 0 seconds")
         if self.ring_bytes < 4096 or self.ring_bytes & (self.ring_bytes - 1):

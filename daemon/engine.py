@@ -216,11 +216,15 @@ class SlotKVCache:
     writes that belong to no sequence (padding, free decode rows) go there and
     no mask ever lets a query read it.
 
-    Before each forward the engine calls ``set_prefill`` or ``set_decode``;
-    the model's attention layers then call ``update`` once per layer. Only
-    ``update`` is part of the protocol the model uses (duck typing; this is not
-    a ``transformers.Cache`` subclass, so no cache-driven mask is built and
-    the engine's explicit 4-D mask is used as-is).
+    Before each forward the engine calls ``set_prefill`` or ``set_decode``,
+    which turn the (slot, column) destinations into one flat index over
+    ``head_dim``-sized vectors, shared by all layers. The model's attention
+    layers then call ``update`` once per layer, which stores with one
+    ``index_copy_`` per buffer (measured on CPU: about half the cost of the
+    equivalent advanced-indexing assignment). Only ``update`` is part of the
+    protocol the model uses (duck typing; this is not a ``transformers.Cache``
+    subclass, so no cache-driven mask is built and the engine's explicit 4-D
+    mask is used as-is).
     """
 
     def __init__(
@@ -237,11 +241,16 @@ class SlotKVCache:
         # Zero-filled, so that a free decode row reading column 0 sees finite values.
         self.key_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.value_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._key_vectors = [buf.view(-1, head_dim) for buf in self.key_cache]
+        self._value_vectors = [buf.view(-1, head_dim) for buf in self.value_cache]
         self.trash_column = max_model_len
-        self._rows = torch.arange(max_num_seqs, device=device)
+        self._head_dim = head_dim
+        # Flat vector index of (slot, head, column 0): [max_num_seqs, num_kv_heads].
+        slots = torch.arange(max_num_seqs, device=device).unsqueeze(1)
+        heads = torch.arange(num_kv_heads, device=device).unsqueeze(0)
+        self._base_index = (slots * num_kv_heads + heads) * (max_model_len + 1)
         self._prefill = False
-        self._row_index: torch.Tensor = self._rows
-        self._columns: torch.Tensor = self._rows
+        self._index = self._base_index.new_empty(0)
         self._start = 0
         self._stop = 0
         self._kv_len = 0
@@ -252,7 +261,7 @@ class SlotKVCache:
         return sum(t.numel() * t.element_size() for t in self.key_cache + self.value_cache)
 
     def set_prefill(self, slots: torch.Tensor, columns: torch.Tensor) -> None:
-        """Route the next forward's ``[n, q]`` tokens: row ``i`` token ``j`` to (``slots[i]``, ``columns[i, j]``).
+        """Route the next (prefill) forward: token ``j`` of row ``i`` goes to (``slots[i]``, ``columns[i, j]``).
 
         Args:
             slots: ``[n]`` int64 slot of each batch row.
@@ -263,23 +272,23 @@ class SlotKVCache:
         values: a prefill always starts a sequence from an empty slot.
         """
         self._prefill = True
-        self._row_index = slots.unsqueeze(1)
-        self._columns = columns
+        # [n, q, heads], the order of key_states.transpose(1, 2).
+        self._index = (self._base_index[slots].unsqueeze(1) + columns.unsqueeze(2)).reshape(-1)
 
     def set_decode(self, start: int, stop: int, columns: torch.Tensor, kv_len: int) -> None:
-        """Route the next forward's ``[m, 1]`` tokens, ``m = stop - start``: row ``r`` to (slot ``start + r``, ``columns[r]``).
+        """Route the next (decode) forward: the token of row ``r`` goes to (``start + r``, ``columns[r]``).
 
         Args:
             start, stop: the batch is slots ``[start, stop)``.
-            columns: ``[m]`` int64 write column per row.
+            columns: ``[stop - start]`` int64 write column per row.
             kv_len: ``T``; attention sees cache columns ``[0, T)`` of each row.
         """
         self._prefill = False
         self._start = start
         self._stop = stop
-        self._row_index = self._rows[start:stop]
-        self._columns = columns
         self._kv_len = kv_len
+        # [m, heads], the order of key_states [m, heads, 1, head_dim].
+        self._index = (self._base_index[start:stop] + columns.unsqueeze(1)).reshape(-1)
 
     def update(
         self,
@@ -300,45 +309,47 @@ class SlotKVCache:
             ``[n, num_kv_heads, q, head_dim]``. Decode: views (no copy) of the
             buffers, ``[m, num_kv_heads, T, head_dim]``.
         """
-        k_buf = self.key_cache[layer_idx]
-        v_buf = self.value_cache[layer_idx]
+        head_dim = self._head_dim
         if self._prefill:
-            k_buf[self._row_index, :, self._columns] = key_states.transpose(1, 2)
-            v_buf[self._row_index, :, self._columns] = value_states.transpose(1, 2)
+            self._key_vectors[layer_idx].index_copy_(
+                0, self._index, key_states.transpose(1, 2).reshape(-1, head_dim)
+            )
+            self._value_vectors[layer_idx].index_copy_(
+                0, self._index, value_states.transpose(1, 2).reshape(-1, head_dim)
+            )
             return key_states, value_states
-        k_buf[self._row_index, :, self._columns] = key_states[:, :, 0]
-        v_buf[self._row_index, :, self._columns] = value_states[:, :, 0]
+        self._key_vectors[layer_idx].index_copy_(0, self._index, key_states.reshape(-1, head_dim))
+        self._value_vectors[layer_idx].index_copy_(0, self._index, value_states.reshape(-1, head_dim))
         rows = slice(self._start, self._stop)
-        return k_buf[rows, :, : self._kv_len], v_buf[rows, :, : self._kv_len]
+        kv_len = self._kv_len
+        return self.key_cache[layer_idx][rows, :, :kv_len], self.value_cache[layer_idx][rows, :, :kv_len]
 
 
+@dataclass(slots=True, eq=False)
 class _Sequence:
-    """Engine-side state of one unfinished request."""
+    """Engine-side state of one unfinished request.
 
-    __slots__ = (
-        "handle",
-        "request",
-        "input_ids",
-        "num_prompt_tokens",
-        "max_output_tokens",
-        "stop_token_ids",
-        "user_stop_token_ids",
-        "detokenizer",
-        "generator",
-        "seed",
-        "greedy",
-        "temperature",
-        "top_k",
-        "top_p",
-        "slot",
-    )
+    ``handle`` is None for the internal warmup request. ``slot`` is None while
+    the request waits. ``max_output_tokens`` folds ``max_tokens`` and the
+    context limit together; ``temperature`` is the logit divisor (1.0 when
+    greedy) and ``top_k`` is the vocabulary size when off.
+    """
 
-    def __init__(self, handle: int | None, request: EngineRequest, **fields) -> None:
-        self.handle = handle
-        self.request = request
-        self.slot: int | None = None
-        for name, value in fields.items():
-            setattr(self, name, value)
+    handle: int | None
+    request: EngineRequest
+    input_ids: list[int]
+    num_prompt_tokens: int
+    max_output_tokens: int
+    stop_token_ids: frozenset[int]
+    user_stop_token_ids: frozenset[int]
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    seed: int | None
+    greedy: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    slot: int | None = None
 
 
 class Engine(BaseEngine):
@@ -518,7 +529,7 @@ class Engine(BaseEngine):
         params = SamplingParams(
             max_tokens=_WARMUP_MAX_TOKENS, temperature=1.0, top_p=0.9, top_k=2, seed=0, ignore_eos=True
         )
-        prompt = [_FILLER_TOKEN_ID] * min(_WARMUP_PROMPT_LEN, self.max_model_len - _WARMUP_MAX_TOKENS)
+        prompt = [_FILLER_TOKEN_ID] * max(1, min(_WARMUP_PROMPT_LEN, self.max_model_len - _WARMUP_MAX_TOKENS))
         seq = self._make_sequence(None, EngineRequest(handle=-1, prompt_token_ids=prompt, params=params))
         discarded: list[TokenOutput] = []
         with torch.inference_mode():
@@ -546,7 +557,7 @@ class Engine(BaseEngine):
             raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
         if len(output) >= params.max_tokens:
             raise ValueError(f"output_token_ids already hold max_tokens={params.max_tokens} tokens")
-        if params.temperature < 0:
+        if not params.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {params.temperature}")
         if not 0.0 < params.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
@@ -565,8 +576,8 @@ class Engine(BaseEngine):
         top_k = params.top_k if 0 < params.top_k < self.vocab_size else self.vocab_size
         seeded = params.seed is not None and not greedy
         return _Sequence(
-            handle,
-            req,
+            handle=handle,
+            request=req,
             input_ids=input_ids,
             num_prompt_tokens=len(prompt),
             max_output_tokens=min(params.max_tokens, self.max_model_len - len(prompt)),

@@ -75,6 +75,7 @@ class Request:
     pending_ids: list[int] = field(default_factory=list)
     final: P.Chunk | P.Error | None = None
     abort_reason: P.FinishReason | None = None
+    timers: list[asyncio.TimerHandle] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -389,7 +390,23 @@ class Front:
         client.requests[msg.id] = req
         self.by_handle[req.handle] = req
         self.counters["requests_total"] += 1
+        self._start_timers(req)
         self._dispatch()
+
+    def _start_timers(self, req: Request) -> None:
+        """Deadlines: the daemon's defaults, shortened (never lengthened) by the request's own."""
+        loop = asyncio.get_running_loop()
+        timeout = min(req.msg.timeout_s or self.config.timeout_s, self.config.timeout_s)
+        req.timers.append(loop.call_at(loop.time() + timeout, self._abort, req, P.FinishReason.TIMEOUT))
+        queue_timeouts = [t for t in (req.msg.queue_timeout_s, self.config.queue_timeout_s) if t]
+        if queue_timeouts:
+            req.timers.append(loop.call_at(loop.time() + min(queue_timeouts), self._on_queue_timeout, req))
+
+    def _on_queue_timeout(self, req: Request) -> None:
+        if self.scheduler.remove(req):
+            waited = time.monotonic() - req.arrival
+            self._end(req, P.Error(id=req.id, code=P.ErrorCode.QUEUE_TIMEOUT,
+                                   message=f"not scheduled within {waited:.3f} s"))
 
     def _dispatch(self) -> None:
         now = time.monotonic()
@@ -427,6 +444,8 @@ class Front:
         if req.final is not None:
             return
         req.final = final
+        for timer in req.timers:
+            timer.cancel()
         self.scheduler.finished(req)
         self.by_handle.pop(req.handle, None)
         if flush:

@@ -150,59 +150,85 @@ def test_request_arriving_mid_decode_starts_before_the_running_one_ends(daemon):
     assert events["short_first"] < events["short_end"] < events["long_end"]
 
 
-def test_cancel_mid_stream_stops_generation_and_frees_the_slot(tmp_path):
-    with running_daemon(tmp_path, "--max-concurrency", "1") as d:
-        raw = RawClient(d.address)
-        try:
-            raw.send(P.Generate(id="a", prompt="Return the", max_tokens=400, temperature=0.0, ignore_eos=True))
-            seen = 0
-            while seen < 3:
-                msg = raw.recv()
-                seen += len(msg.token_ids)
-            raw.send(P.Cancel(id="a"))
-            rest = raw.recv_until_terminal("a")
-            final = rest[-1]
-            assert final.finish_reason == "cancelled"
-            after = sum(len(c.token_ids) for c in rest)
-            assert final.usage.completion_tokens == seen + after
-            assert after <= 8, f"{after} tokens arrived after the cancel"
-            # the only slot is free again: a new request runs to completion
-            raw.send(P.Generate(id="b", prompt="Return the", max_tokens=5, temperature=0.0))
-            assert raw.recv_until_terminal("b")[-1].finish_reason in ("length", "stop")
-            raw.send(P.Cancel(id="zzz"))
-            assert raw.recv().code == P.ErrorCode.UNKNOWN_REQUEST
-        finally:
-            raw.close()
-        with Client(d.address) as client:
-            status = client.status()
-        assert status.running == 0 and status.workers[0].kv_cache_tokens_used == 0
+@pytest.fixture(scope="module")
+def small_daemon(tmp_path_factory):
+    """One slot, one queue place: easy to saturate."""
+    with running_daemon(tmp_path_factory.mktemp("small"), "--max-concurrency", "1", "--queue-size", "1") as d:
+        yield d
 
 
-def test_queue_full_is_immediate_and_the_daemon_keeps_serving(tmp_path):
-    with running_daemon(tmp_path, "--max-concurrency", "1", "--queue-size", "1") as d:
-        raw = RawClient(d.address)
-        try:
-            raw.send(P.Generate(id="run", prompt="Return the", max_tokens=400, temperature=0.0, ignore_eos=True))
-            assert raw.recv().id == "run"  # running now
-            raw.send(P.Generate(id="wait", prompt="Return the", max_tokens=4))
-            latencies = []
-            for i in range(5):
-                start = time.monotonic()
-                raw.send(P.Generate(id=f"full{i}", prompt="Return the", max_tokens=4))
-                reply = raw.recv_until_terminal(f"full{i}")[-1]
-                latencies.append(time.monotonic() - start)
-                assert isinstance(reply, P.Error) and reply.code == P.ErrorCode.QUEUE_FULL
-            assert statistics.median(latencies) < 0.050, latencies
-            raw.send(P.Cancel(id="run"))
-            assert raw.recv_until_terminal("run")[-1].finish_reason == "cancelled"
-            assert raw.recv_until_terminal("wait")[-1].finish_reason in ("length", "stop")
-        finally:
-            raw.close()
-        with Client(d.address) as client:
-            with pytest.raises(PromptTooLong):
-                client.complete("Return the", max_tokens=10**6)
-            assert client.complete("Return the", max_tokens=3).usage.completion_tokens == 3
-            assert QueueFull.code == P.ErrorCode.QUEUE_FULL
+def test_cancel_mid_stream_stops_generation_and_frees_the_slot(small_daemon):
+    d = small_daemon
+    raw = RawClient(d.address)
+    try:
+        raw.send(P.Generate(id="a", prompt="Return the", max_tokens=400, temperature=0.0, ignore_eos=True))
+        seen = 0
+        while seen < 3:
+            msg = raw.recv()
+            seen += len(msg.token_ids)
+        raw.send(P.Cancel(id="a"))
+        rest = raw.recv_until_terminal("a")
+        final = rest[-1]
+        assert final.finish_reason == "cancelled"
+        after = sum(len(c.token_ids) for c in rest)
+        assert final.usage.completion_tokens == seen + after
+        assert after <= 8, f"{after} tokens arrived after the cancel"
+        # the only slot is free again: a new request runs to completion
+        raw.send(P.Generate(id="b", prompt="Return the", max_tokens=5, temperature=0.0))
+        assert raw.recv_until_terminal("b")[-1].finish_reason in ("length", "stop")
+        raw.send(P.Cancel(id="zzz"))
+        assert raw.recv().code == P.ErrorCode.UNKNOWN_REQUEST
+    finally:
+        raw.close()
+    with Client(d.address) as client:
+        status = client.status()
+    assert status.running == 0 and status.workers[0].kv_cache_tokens_used == 0
+
+
+def test_queue_full_is_immediate_and_the_daemon_keeps_serving(small_daemon):
+    d = small_daemon
+    raw = RawClient(d.address)
+    try:
+        raw.send(P.Generate(id="run", prompt="Return the", max_tokens=400, temperature=0.0, ignore_eos=True))
+        assert raw.recv().id == "run"  # running now
+        raw.send(P.Generate(id="wait", prompt="Return the", max_tokens=4))
+        latencies = []
+        for i in range(5):
+            start = time.monotonic()
+            raw.send(P.Generate(id=f"full{i}", prompt="Return the", max_tokens=4))
+            reply = raw.recv_until_terminal(f"full{i}")[-1]
+            latencies.append(time.monotonic() - start)
+            assert isinstance(reply, P.Error) and reply.code == P.ErrorCode.QUEUE_FULL
+        assert statistics.median(latencies) < 0.050, latencies
+        raw.send(P.Cancel(id="run"))
+        assert raw.recv_until_terminal("run")[-1].finish_reason == "cancelled"
+        assert raw.recv_until_terminal("wait")[-1].finish_reason in ("length", "stop")
+    finally:
+        raw.close()
+    with Client(d.address) as client:
+        with pytest.raises(PromptTooLong):
+            client.complete("Return the", max_tokens=10**6)
+        assert client.complete("Return the", max_tokens=3).usage.completion_tokens == 3
+        assert QueueFull.code == P.ErrorCode.QUEUE_FULL
+
+
+def test_deadlines_end_streams_and_waiting_requests(small_daemon):
+    raw = RawClient(small_daemon.address)
+    try:
+        raw.send(P.Generate(id="slow", prompt="Return the", max_tokens=509, temperature=0.0, ignore_eos=True,
+                            timeout_s=1.0))
+        assert raw.recv().id == "slow"
+        start = time.monotonic()
+        raw.send(P.Generate(id="queued", prompt="Return the", max_tokens=4, queue_timeout_s=0.2))
+        error = raw.recv_until_terminal("queued")[-1]
+        waited = time.monotonic() - start
+        assert isinstance(error, P.Error) and error.code == P.ErrorCode.QUEUE_TIMEOUT
+        assert 0.2 - 0.005 <= waited < 0.2 + 0.05, waited  # timers have ms resolution
+        final = raw.recv_until_terminal("slow")[-1]
+        assert final.finish_reason == "timeout"
+        assert 0 < final.usage.completion_tokens < 509 and 1.0 <= final.usage.e2e_s < 2.0
+    finally:
+        raw.close()
 
 
 BAD_FRAMES = [
