@@ -130,7 +130,8 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int) -> str:
         """Feed one output token and return the text delta to send now (may be "").
 
-        Raises whatever ``tokenizers`` raises for an id outside the vocabulary.
+        An id the tokenizer does not know decodes to nothing (``tokenizers``
+        skips it).
         """
         if self.stop_string is not None:
             return ""

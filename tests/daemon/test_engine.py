@@ -7,6 +7,7 @@ also runs on ``daemon/default_model`` when that checkpoint is present.
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -222,8 +223,8 @@ def test_abort_frees_slot_immediately(tiny):
     assert (engine.num_running, engine.num_waiting) == (1, 1)
     assert engine.abort(1)
     assert engine.num_waiting == 0
+    engine.add(EngineRequest(5, [0, 1], greedy(2)))
     with pytest.raises(CapacityError):
-        engine.add(EngineRequest(5, [0, 1], greedy(2)))
         engine.add(EngineRequest(6, [0, 1], greedy(2)))
     assert engine.abort(5)
     engine.step()
@@ -407,8 +408,6 @@ def test_cache_geometry(tiny):
 def test_randomized_churn_keeps_outputs_exact(tiny):
     """Random arrivals, aborts and mixed sampling: greedy and seeded requests
     still produce exactly what they produce alone, and every stream is well formed."""
-    import random
-
     rng = random.Random(2024)
     engine = tiny.engine(max_num_seqs=5, max_num_batched_tokens=64)
     lengths = [rng.randrange(1, 50) for _ in range(30)]

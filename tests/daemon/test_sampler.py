@@ -142,6 +142,15 @@ def test_sampled_frequencies_follow_distribution():
     assert torch.allclose(freq, probs.double(), atol=tolerance)
 
 
+def test_top_p_sampling_renormalises_nucleus():
+    n = 20000
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.2])).expand(n, -1).contiguous()
+    tokens = sample(logits, make_params(n, vocab=3, top_p=0.6, generator=seeded(11)))
+    freq = torch.bincount(tokens, minlength=3).double() / n
+    tolerance = 5 * math.sqrt(0.25 / n)
+    assert torch.allclose(freq, torch.tensor([0.625, 0.375, 0.0], dtype=torch.float64), atol=tolerance)
+
+
 def test_temperature_sharpens_distribution():
     logits = torch.log(torch.tensor([0.6, 0.4])).expand(4000, -1).contiguous()
     cold = sample(logits, make_params(4000, vocab=2, temperature=0.2, generator=seeded(6)))
