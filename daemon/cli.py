@@ -26,7 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--instance", help="instance name (scopes socket and ring names)")
     serve.add_argument("--model", help="local Hugging Face causal-LM directory (default: built-in model)")
     serve.add_argument("--devices", help="auto | cpu | cpu,cpu | cuda:0,cuda:1")
-    serve.add_argument("--engine", choices=["hf"], help="engine backend")
+    serve.add_argument("--engine", choices=["hf", "synthetic"],
+                       help="hf (default) or synthetic (no model compute, to measure the serving layer)")
+    serve.add_argument("--synthetic-step-ms", type=float, help="step time of the synthetic engine (default 1 ms)")
+    serve.add_argument("--metrics-port", type=int, help="Prometheus exporter port on 127.0.0.1 (default: off)")
     serve.add_argument("--max-concurrency", type=int, help="running requests per worker")
     serve.add_argument("--queue-size", type=int, help="waiting requests at most")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
@@ -47,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_address(status)
     status.add_argument("--json", action="store_true")
 
+    admin = sub.add_parser("admin", help="change live settings of a running daemon")
+    admin_sub = admin.add_subparsers(dest="admin_command", required=True)
+    admin_set = admin_sub.add_parser("set", help="KEY=VALUE ... (e.g. max_concurrency=8 preemption=false)")
+    _add_address(admin_set)
+    admin_set.add_argument("settings", nargs="+", metavar="KEY=VALUE")
+
     demo = sub.add_parser("demo", help="start a daemon on the built-in model, stream a batch, summarise, stop")
     demo.add_argument("--model", help="model directory (default: built-in model)")
     demo.add_argument("--devices", default="cpu")
@@ -64,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         case "status":
             return _status(args)
+        case "admin":
+            return _admin(args)
         case "demo":
             from daemon.demo import run_demo
 
@@ -75,16 +86,18 @@ def _serve(args: argparse.Namespace) -> int:
     from daemon.config import load_config
     from daemon.front import serve
 
+    overrides = dict(
+        socket=args.socket, instance=args.instance, model=args.model, devices=args.devices, engine=args.engine,
+        synthetic_step_ms=args.synthetic_step_ms, metrics_port=args.metrics_port,
+        max_concurrency=args.max_concurrency, queue_size=args.queue_size, log_level=args.log_level,
+    )
+    overrides = {k: v for k, v in overrides.items() if v is not None}
     try:
-        config = load_config(
-            args.config, socket=args.socket, instance=args.instance, model=args.model, devices=args.devices,
-            engine=args.engine, max_concurrency=args.max_concurrency, queue_size=args.queue_size,
-            log_level=args.log_level,
-        )
+        config = load_config(args.config, **overrides)
     except ValueError as exc:
         print(f"ringstream: {exc}", file=sys.stderr)
         return 2
-    return serve(config)
+    return serve(config, args.config, overrides)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -106,6 +119,31 @@ def _generate(args: argparse.Namespace) -> int:
         return 1
     if not args.json:
         print(f"\n[{last.finish_reason}; {last.usage.completion_tokens} tokens]", file=sys.stderr)
+    return 0
+
+
+def parse_setting(item: str) -> tuple[str, object]:
+    """``"max_concurrency=8"`` -> ``("max_concurrency", 8)``; values are JSON (numbers, true/false, null) or text."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise ValueError(f"{item!r}: use KEY=VALUE")
+    try:
+        return key, msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return key, raw
+
+
+def _admin(args: argparse.Namespace) -> int:
+    from ipc.client import Client, RingstreamError
+
+    try:
+        settings = dict(parse_setting(item) for item in args.settings)
+        with Client(args.socket, instance=args.instance, timeout_s=5.0) as client:
+            reply = client.admin(**settings)
+    except (ValueError, RingstreamError) as exc:
+        print(f"ringstream: {exc}", file=sys.stderr)
+        return 1
+    print(" ".join(f"{k}={v}" for k, v in reply.settings.items()))
     return 0
 
 

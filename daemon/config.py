@@ -33,12 +33,28 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Local Hugging Face causal-LM directory; None = the built-in default model."""
     devices: str = "auto"
     """``auto`` (every visible CUDA GPU, else one CPU worker), ``cpu``, ``cpu,cpu``, ``cuda:0,cuda:1``."""
-    engine: Literal["hf"] = "hf"
-    """Engine backend: ``hf`` = slot-based continuous batching over a Hugging Face model."""
+    engine: Literal["hf", "synthetic"] = "hf"
+    """Engine backend: ``hf`` = slot-based continuous batching over a Hugging Face model;
+    ``synthetic`` = deterministic tokens at a fixed step time, no model compute (to measure
+    and capacity-plan the serving layer alone)."""
+    synthetic_step_ms: float = 1.0
+    """Step time of the synthetic engine, milliseconds."""
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     """Weights/activations dtype; ``auto`` = float32 on CPU, bfloat16 on CUDA."""
+    max_num_seqs: int = 64
+    """KV-cache slots each worker allocates at start (capped by memory, see ``memory_utilization``)."""
     max_concurrency: int = 64
-    """Requests running at once per worker (the engine's ``max_num_seqs``)."""
+    """Requests running at once per worker (live; at most the worker's slots)."""
+    memory_utilization: float = 0.85
+    """Fraction of the memory available at start (RAM on CPU, GPU memory on CUDA) a worker's KV cache may take."""
+    priority_queue_limits: dict[str, int] = {}
+    """Most requests waiting per priority, e.g. ``{"10" = 100}``; others are bounded by ``queue_size`` only."""
+    queue_full_policy: Literal["reject", "evict"] = "reject"
+    """Queue full: refuse the newcomer, or evict the least urgent waiting request if the newcomer is more urgent."""
+    aging_rate: float = 1.0
+    """Priority levels a waiting request gains per second (starvation bound: priority gap / aging_rate seconds)."""
+    preemption: bool = True
+    """Preempt the least urgent running request when a strictly more urgent one waits and nothing is free."""
     max_num_batched_tokens: int = 2048
     """Prompt tokens one engine step may prefill."""
     queue_size: int = 10_000
@@ -63,6 +79,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """torch intra-op threads per CPU worker; 0 = the host's cores divided among the CPU workers."""
     seed: int = 0
     """Seed of the workers' sampling generator for requests that give none."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on http://127.0.0.1:PORT/metrics; None = no exporter."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def check(self) -> "Config":
@@ -73,7 +91,12 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             check_socket_address(self.socket)
         if not 0 <= self.socket_mode <= 0o777:
             raise ValueError(f"socket_mode {self.socket_mode:o}: not a file mode")
-        for name in ("max_concurrency", "max_num_batched_tokens", "queue_size"):
+        if not 0 < self.memory_utilization <= 1:
+            raise ValueError(f"memory_utilization = {self.memory_utilization}: must be in (0, 1]")
+        if not self.aging_rate >= 0:
+            raise ValueError(f"aging_rate = {self.aging_rate}: must be >= 0 levels per second")
+        self.priority_limits()
+        for name in ("max_num_seqs", "max_concurrency", "max_num_batched_tokens", "queue_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} = {getattr(self, name)}: must be >= 1")
         if self.queue_timeout_s is not None and not self.queue_timeout_s > 0:
@@ -84,10 +107,25 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 raise ValueError(f"{name} = {getattr(self, name)}: must be > 0 seconds")
         if self.ring_bytes < 4096 or self.ring_bytes & (self.ring_bytes - 1):
             raise ValueError(f"ring_bytes = {self.ring_bytes}: must be a power of two >= 4096")
+        if not self.synthetic_step_ms >= 0:
+            raise ValueError(f"synthetic_step_ms = {self.synthetic_step_ms}: must be >= 0")
         if self.worker_threads < 0:
             raise ValueError(f"worker_threads = {self.worker_threads}: must be >= 0")
         parse_devices(self.devices)
         return self
+
+    def priority_limits(self) -> dict[int, int]:
+        """``priority_queue_limits`` with integer keys. Raises ValueError for a bad key or limit."""
+        limits = {}
+        for key, limit in self.priority_queue_limits.items():
+            try:
+                priority = int(key)
+            except ValueError:
+                raise ValueError(f"priority_queue_limits: key {key!r} is not an integer priority") from None
+            if limit < 0:
+                raise ValueError(f"priority_queue_limits[{key}] = {limit}: must be >= 0")
+            limits[priority] = limit
+        return limits
 
     def address(self) -> str:
         """The client socket address in force (explicit or default)."""

@@ -33,9 +33,9 @@ import zmq
 import zmq.asyncio
 
 from daemon import __version__
-from daemon.config import Config, parse_devices, runtime_dir
+from daemon.config import Config, load_config, parse_devices, runtime_dir
 from daemon.model import ModelInfo, load_tokenizer, resolve_model_dir
-from daemon.scheduler import Scheduler, WorkerBudget
+from daemon.scheduler import Scheduler, SchedulerPolicy, WorkerBudget
 from daemon.supervisor import (
     InstanceLock, StartupError, WorkerProcess, create_workers, release_workers, spawn, stop_process,
 )
@@ -53,6 +53,20 @@ CLIENT_SNDHWM = 100_000
 """Per-client queued messages before sends raise EAGAIN (then chunks coalesce)."""
 ABORT_GRACE_S = 2.0
 """At shutdown, how long aborted streams get to be confirmed by their worker."""
+LIVE_SETTINGS = (
+    "max_concurrency", "queue_size", "priority_queue_limits", "queue_full_policy", "aging_rate", "preemption",
+    "timeout_s", "queue_timeout_s", "client_timeout_s", "drain_timeout_s", "log_level",
+)
+"""Config fields that ``Admin`` and SIGHUP change without a restart; the others need one."""
+
+
+def policy_of(config: Config) -> SchedulerPolicy:
+    """The scheduler settings a config asks for."""
+    return SchedulerPolicy(
+        queue_size=config.queue_size, max_concurrency=config.max_concurrency,
+        priority_limits=config.priority_limits(), aging_rate=config.aging_rate,
+        full_policy=config.queue_full_policy, preemption=config.preemption,
+    )
 
 
 @dataclass(eq=False, slots=True)
@@ -76,6 +90,15 @@ class Request:
     final: P.Chunk | P.Error | None = None
     abort_reason: P.FinishReason | None = None
     timers: list[asyncio.TimerHandle] = field(default_factory=list)
+    queue_timer: asyncio.TimerHandle | None = None
+    started: float = 0.0
+    sched_token: int = 0
+    preempted_from: int | None = None
+    """Worker asked to drop this request for a preemption, until it confirms."""
+
+    @property
+    def priority(self) -> int:
+        return self.msg.priority
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -98,8 +121,11 @@ class ClientState:
 class Front:
     """The daemon's front process; ``await Front(config).run()`` serves until a stop signal."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, config_path: str | None = None, overrides: dict | None = None) -> None:
         self.config = config
+        self.config_path = config_path
+        self.overrides = overrides or {}
+        """Command-line values, which win over the file at every reload too."""
         self.state = "starting"
         self.started = time.monotonic()
         self.stop_event = asyncio.Event()
@@ -108,12 +134,12 @@ class Front:
         self.clients: dict[bytes, ClientState] = {}
         self.by_handle: dict[int, Request] = {}
         self.handles = itertools.count(1)
-        self.scheduler = Scheduler(config.queue_size, config.max_concurrency)
+        self.scheduler = Scheduler(policy_of(config))
         self.blocked: dict[int, Request] = {}
         self.retry_scheduled = False
         self.workers: list[WorkerProcess] = []
         self.counters = dict(requests_total=0, tokens_generated_total=0, dropped_frames_total=0,
-                             invalid_requests_total=0, stale_records_total=0)
+                             invalid_requests_total=0, stale_records_total=0, preemptions_total=0)
         self.model: ModelInfo | None = None
         self.validator: Validator | None = None
         self.lock: InstanceLock | None = None
@@ -127,6 +153,7 @@ class Front:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
         tasks = []
         try:
             self._setup()
@@ -187,12 +214,15 @@ class Front:
     async def _drain(self) -> None:
         """Graceful stop: refuse new work, let running streams finish, then end the rest."""
         self.state = "draining"
-        for req in list(self.scheduler.waiting):
+        for req in self.scheduler.waiting():
             self.scheduler.remove(req)
             self._end(req, P.Error(id=req.id, code=P.ErrorCode.SHUTTING_DOWN, message="daemon is shutting down"))
         deadline = time.monotonic() + self.config.drain_timeout_s
-        while self.scheduler.num_running and time.monotonic() < deadline:
+        while self.by_handle and time.monotonic() < deadline:
             await asyncio.sleep(HOUSEKEEPING_S)
+            for req in self.scheduler.waiting():  # preempted ones back in the queue: nothing more runs
+                self.scheduler.remove(req)
+                self._finish(req, P.FinishReason.SHUTDOWN)
         running = [r for r in self.by_handle.values() if r.worker is not None]
         for req in running:
             self._abort(req, P.FinishReason.SHUTDOWN)
@@ -271,7 +301,10 @@ class Front:
             return
         log.error("worker %d (pid %d) exited with code %s", worker.index, worker.pid, worker.process.exitcode)
         self._read_ring(worker)
-        for req in [r for r in self.by_handle.values() if r.worker == worker.index]:
+        orphans = self.scheduler.clear_worker(worker.index)
+        orphans += [r for r in self.by_handle.values() if r.preempted_from == worker.index]
+        for req in orphans:
+            req.preempted_from = None
             self._end(req, P.Error(id=req.id, code=P.ErrorCode.WORKER_FAILED, message=f"worker {worker.index} exited"))
         if not any(b.ready for b in self.scheduler.workers) or self.state == "starting":
             self.request_stop(exit_code=1)
@@ -292,6 +325,8 @@ class Front:
                     self._on_token(req, rec)
                 elif rec.kind == KIND_FINISH:
                     finish = P.FINISH_DECODER.decode(rec.payload)
+                    if self._preemption_done(req, finish):
+                        continue
                     reason = req.abort_reason or finish.finish_reason
                     self._finish(req, reason, finish.stop_reason, flush=False)
                 elif rec.kind == KIND_ERROR:
@@ -305,6 +340,16 @@ class Front:
         for req in touched.values():
             self._flush(req)
         self._dispatch()
+
+    def _preemption_done(self, req: Request, finish: P.Finish) -> bool:
+        """A preempted request's worker confirmed the abort: back to the queue, resumable."""
+        if req.preempted_from is None:
+            return False
+        req.preempted_from = None
+        if req.abort_reason is not None or finish.finish_reason != P.FinishReason.CANCELLED:
+            return False  # it ended anyway (finished first, or its client cancelled meanwhile)
+        self.scheduler.requeue(req)
+        return True
 
     def _on_token(self, req: Request, rec) -> None:
         if rec.seq != req.next_token_seq:
@@ -360,9 +405,8 @@ class Front:
                 self._reply(identity, P.HeartbeatAck())
             case P.Status():
                 self._reply(identity, self.status())
-            case P.Admin():
-                self._reply(identity, P.Error(id=None, code=P.ErrorCode.INVALID_REQUEST,
-                                              message="live settings are not available in this version"))
+            case P.Admin(settings=settings):
+                self._on_admin(identity, settings)
 
     def _on_generate(self, identity: bytes, msg: P.Generate, now: float) -> None:
         client = self.clients.get(identity)
@@ -381,10 +425,14 @@ class Front:
             self._reply(identity, P.Error(id=msg.id, code=exc.code, message=str(exc)))
             return
         req = Request(identity, msg.id, next(self.handles), msg, prompt_ids, now)
-        if not self.scheduler.add(req):
+        accepted, displaced = self.scheduler.add(req)
+        if not accepted:
             self._reply(identity, P.Error(id=msg.id, code=P.ErrorCode.QUEUE_FULL,
-                                          message=f"queue full ({self.scheduler.queue_size} waiting)"))
+                                          message=f"queue full ({self.scheduler.num_waiting} waiting)"))
             return
+        if displaced is not None:
+            self._end(displaced, P.Error(id=displaced.id, code=P.ErrorCode.QUEUE_FULL,
+                                         message="displaced from the full queue by a more urgent request"))
         if client is None:
             client = self.clients[identity] = ClientState(last_seen=now)
         client.requests[msg.id] = req
@@ -400,7 +448,7 @@ class Front:
         req.timers.append(loop.call_at(loop.time() + timeout, self._abort, req, P.FinishReason.TIMEOUT))
         queue_timeouts = [t for t in (req.msg.queue_timeout_s, self.config.queue_timeout_s) if t]
         if queue_timeouts:
-            req.timers.append(loop.call_at(loop.time() + min(queue_timeouts), self._on_queue_timeout, req))
+            req.queue_timer = loop.call_at(loop.time() + min(queue_timeouts), self._on_queue_timeout, req)
 
     def _on_queue_timeout(self, req: Request) -> None:
         if self.scheduler.remove(req):
@@ -409,15 +457,32 @@ class Front:
                                    message=f"not scheduled within {waited:.3f} s"))
 
     def _dispatch(self) -> None:
+        """Start what fits; then preempt for the most urgent waiting request, and repeat."""
         now = time.monotonic()
-        for req, budget in self.scheduler.schedule():
+        while True:
+            for req, budget in self.scheduler.schedule(now):
+                self._assign(req, budget.index, now)
+            preempted = self.scheduler.preempt()
+            if preempted is None:
+                return
+            victim, index = preempted
+            victim.preempted_from = index
+            self.counters["preemptions_total"] += 1
+            log.info("request %s (priority %d) preempted on worker %d after %d tokens",
+                     victim.id, victim.priority, index, len(victim.output_token_ids))
+            self.workers[index].send(P.Abort(handle=victim.handle))
+
+    def _assign(self, req: Request, index: int, now: float) -> None:
+        if not req.dispatched:
             req.dispatched = now
-            msg = req.msg
-            self.workers[budget.index].send(P.Assign(
-                handle=req.handle, prompt_token_ids=req.prompt_token_ids, max_tokens=msg.max_tokens,
-                temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, seed=msg.seed, stop=msg.stop,
-                stop_token_ids=msg.stop_token_ids, ignore_eos=msg.ignore_eos, output_token_ids=req.output_token_ids,
-            ))
+            if req.queue_timer is not None:
+                req.queue_timer.cancel()
+        msg = req.msg
+        self.workers[index].send(P.Assign(
+            handle=req.handle, prompt_token_ids=req.prompt_token_ids, max_tokens=msg.max_tokens,
+            temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, seed=msg.seed, stop=msg.stop,
+            stop_token_ids=msg.stop_token_ids, ignore_eos=msg.ignore_eos, output_token_ids=req.output_token_ids,
+        ))
 
     def _abort(self, req: Request, reason: P.FinishReason) -> None:
         """End a request early: at once if waiting, else after its worker confirms."""
@@ -427,7 +492,7 @@ class Front:
             self._finish(req, reason)
             return
         req.abort_reason = reason
-        if req.worker is not None:
+        if req.worker is not None and req.preempted_from is None:
             self.workers[req.worker].send(P.Abort(handle=req.handle))
 
     def _finish(self, req: Request, reason: P.FinishReason, stop_reason=None, flush: bool = True) -> None:
@@ -446,6 +511,8 @@ class Front:
         req.final = final
         for timer in req.timers:
             timer.cancel()
+        if req.queue_timer is not None:
+            req.queue_timer.cancel()
         self.scheduler.finished(req)
         self.by_handle.pop(req.handle, None)
         if flush:
@@ -543,6 +610,65 @@ class Front:
                 log.error("workers not ready after %.0f s", self.config.worker_start_timeout_s)
                 self.request_stop(exit_code=1)
 
+    # ------------------------------------------------------------ live settings
+
+    def _on_admin(self, identity: bytes, settings: dict) -> None:
+        if not self.config.address().startswith("ipc://"):
+            self._reply(identity, P.Error(id=None, code=P.ErrorCode.INVALID_REQUEST,
+                                          message="admin is accepted only on an ipc socket (its file mode says who may)"))
+            return
+        try:
+            self.apply_settings(settings)
+        except ValueError as exc:
+            self._reply(identity, P.Error(id=None, code=P.ErrorCode.INVALID_REQUEST, message=str(exc)))
+            return
+        self._reply(identity, self.status())
+
+    def apply_settings(self, changes: dict) -> None:
+        """Change live settings (names in LIVE_SETTINGS); all or nothing. Raises ValueError naming the problem."""
+        unknown = sorted(set(changes) - set(LIVE_SETTINGS))
+        if unknown:
+            raise ValueError(f"not a live setting: {', '.join(unknown)} (live: {', '.join(LIVE_SETTINGS)})")
+        if "queue_timeout_s" in changes and changes["queue_timeout_s"] in (0, None):
+            changes = dict(changes, queue_timeout_s=None)
+        try:
+            config = msgspec.convert({**msgspec.structs.asdict(self.config), **changes}, Config, strict=False).check()
+        except msgspec.ValidationError as exc:
+            raise ValueError(str(exc)) from None
+        old_rate = self.config.aging_rate
+        self.config = config
+        policy = policy_of(config)
+        policy.aging_rate = old_rate
+        self.scheduler.policy = policy
+        if config.aging_rate != old_rate:
+            self.scheduler.set_aging_rate(config.aging_rate)
+        logging.getLogger("ringstream").setLevel(config.log_level.upper())
+        log.info("settings changed: %s", ", ".join(f"{k}={v}" for k, v in changes.items()))
+        self._dispatch()
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the config file and apply its live settings; report the others."""
+        if self.config_path is None:
+            log.warning("SIGHUP: no config file to reload")
+            return
+        try:
+            fresh = load_config(self.config_path, **self.overrides)
+        except ValueError as exc:
+            log.error("reload failed, settings unchanged: %s", exc)
+            return
+        changed = {name for name in Config.__struct_fields__ if getattr(fresh, name) != getattr(self.config, name)}
+        restart = sorted(changed - set(LIVE_SETTINGS))
+        if restart:
+            log.warning("reload: %s change only after a restart", ", ".join(restart))
+        live = {name: getattr(fresh, name) for name in changed & set(LIVE_SETTINGS)}
+        if live:
+            try:
+                self.apply_settings(live)
+            except ValueError as exc:
+                log.error("reload failed, settings unchanged: %s", exc)
+        else:
+            log.info("reload: no live setting changed")
+
     def status(self) -> P.StatusReply:
         """Live figures, as sent to ``ringstream status``."""
         workers = [
@@ -555,13 +681,12 @@ class Front:
         ]
         return P.StatusReply(
             version=__version__, ready=self.state == "serving", state=self.state,
-            uptime_s=time.monotonic() - self.started, waiting=len(self.scheduler.waiting),
-            running=self.scheduler.num_running, queue_size=self.scheduler.queue_size,
-            max_concurrency=self.scheduler.max_concurrency,
+            uptime_s=time.monotonic() - self.started, waiting=self.scheduler.num_waiting,
+            running=self.scheduler.num_running, queue_size=self.scheduler.policy.queue_size,
+            max_concurrency=self.scheduler.policy.max_concurrency,
             requests_total=self.counters["requests_total"],
             tokens_generated_total=self.counters["tokens_generated_total"], workers=workers,
-            settings=dict(max_concurrency=self.scheduler.max_concurrency, queue_size=self.scheduler.queue_size,
-                          client_timeout_s=self.config.client_timeout_s, drain_timeout_s=self.config.drain_timeout_s),
+            settings={name: getattr(self.config, name) for name in LIVE_SETTINGS if getattr(self.config, name) is not None},
             counters=dict(self.counters),
         )
 
@@ -577,9 +702,9 @@ def _guess_id(frame: bytes) -> str | None:
     return None
 
 
-def serve(config: Config) -> int:
+def serve(config: Config, config_path: str | None = None, overrides: dict | None = None) -> int:
     """Run a daemon in this process until stopped; returns its exit code."""
     import uvloop
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s front %(message)s")
-    return uvloop.run(Front(config).run())
+    return uvloop.run(Front(config, config_path, overrides).run())

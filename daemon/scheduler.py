@@ -1,28 +1,61 @@
-"""Scheduler: the waiting queue and each worker's budget. No sockets, no torch.
+"""Scheduler: waiting queue, priorities, per-worker budgets, preemption. No sockets, no torch.
 
-``schedule()`` moves requests from *waiting* to *running* on a worker while
-that worker has a free slot (``max_concurrency``, capped by the engine's
-``max_num_seqs``) and free KV-cache tokens for the request's whole length
-(prompt + ``max_tokens``), the way TGI's router admits by token budget. The
-queue is FIFO and bounded: ``add()`` refuses at once when it is full, so the
-front can answer ``QUEUE_FULL`` without waiting. Placement: the eligible worker
-with the lowest KV-cache use (ties to the lowest index), so equal workers get
-equal shares.
+**Order.** Lower ``priority`` is served first (vLLM's convention), FIFO within
+a priority. Aging bounds starvation: a request's effective priority is
+
+    effective(t) = priority - aging_rate * (t - arrival)          (levels, seconds)
+
+so a request of priority ``p`` waiting behind a constant stream of priority
+``q < p`` work is served no later than ``(p - q) / aging_rate`` seconds after it
+arrives plus the time until a slot frees. All waiting requests age at the same
+rate, so their order is that of the time-invariant key
+``priority + aging_rate * arrival``: one heap keeps it, with no re-sorting as
+time passes (it is rebuilt only when ``aging_rate`` changes).
+
+**Bounds.** ``queue_size`` requests may wait in all, and at most
+``priority_limits[p]`` of priority ``p``. A request that does not fit is
+refused at once (``QUEUE_FULL``), or, with ``full_policy="evict"`` and when it
+is strictly more urgent than the least urgent waiting request, it displaces
+that one (Triton's per-level queue policies, TGI's immediate "overloaded").
+
+**Admission.** ``schedule()`` moves the most urgent waiting request to the
+worker with the lowest KV-cache use that has a free slot (``max_concurrency``,
+capped by the engine's ``max_num_seqs``) and free KV-cache tokens for the
+request's whole length (prompt + ``max_tokens``), like TGI's token-budget
+admission. The head of the queue is never overtaken: a large request cannot
+starve behind smaller ones.
+
+**Preemption.** When the most urgent waiting request is strictly more urgent
+(by base priority) than a running one and no capacity is free,
+``preempt()`` picks the least urgent, most recently started running request on
+a worker where the waiting one would then fit (vLLM's recompute preemption:
+the victim's KV is dropped and it re-enters the queue with prompt + tokens so
+far, to resume where it stopped). Its budget is released at once so the
+urgent request can be assigned in the same pass; the caller re-queues the
+victim with :meth:`requeue` once its worker confirmed the abort.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
-from typing import Protocol
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+COMPACT_SLACK = 64
+"""Rebuild the heaps when stale entries outnumber live ones by this much."""
 
 
 class Schedulable(Protocol):
-    """What the scheduler needs to know of a request."""
+    """What the scheduler needs to know of a request (it sets the ``sched_*`` fields)."""
 
+    priority: int
+    arrival: float
     num_prompt_tokens: int
     max_tokens: int
     worker: int | None
+    started: float
+    sched_token: int
 
 
 @dataclass(slots=True)
@@ -38,80 +71,217 @@ class WorkerBudget:
     ready: bool = False
     served: int = 0
 
-    def fits(self, tokens: int, max_concurrency: int) -> bool:
-        """True if one more request of ``tokens`` KV tokens fits now."""
+    def fits(self, tokens: int, max_concurrency: int, release_tokens: int = 0, release_slots: int = 0) -> bool:
+        """True if one more request of ``tokens`` KV tokens fits (after releasing the given use)."""
         return (
             self.ready
-            and self.running < min(max_concurrency, self.max_num_seqs)
-            and self.kv_tokens_used + tokens <= self.kv_cache_tokens
+            and self.running - release_slots < min(max_concurrency, self.max_num_seqs)
+            and self.kv_tokens_used - release_tokens + tokens <= self.kv_cache_tokens
         )
 
 
-class Scheduler:
-    """Bounded FIFO queue plus per-worker budgets; see the module docstring."""
+@dataclass(slots=True)
+class SchedulerPolicy:
+    """The scheduler's live settings (all may change while it runs)."""
 
-    def __init__(self, queue_size: int, max_concurrency: int) -> None:
-        self.queue_size = queue_size
-        self.max_concurrency = max_concurrency
-        self.waiting: deque[Schedulable] = deque()
+    queue_size: int = 10_000
+    max_concurrency: int = 64
+    priority_limits: dict[int, int] = field(default_factory=dict)
+    aging_rate: float = 1.0
+    full_policy: Literal["reject", "evict"] = "reject"
+    preemption: bool = True
+
+
+class Scheduler:
+    """Priority queue with aging plus per-worker budgets; see the module docstring."""
+
+    def __init__(self, policy: SchedulerPolicy | None = None) -> None:
+        self.policy = policy or SchedulerPolicy()
         self.workers: list[WorkerBudget] = []
+        self.running: set[Schedulable] = set()
+        self._heap: list[tuple[float, int, Schedulable]] = []
+        self._evict_heap: list[tuple[float, int, Schedulable]] = []
+        self._tokens = itertools.count(1)
+        self._num_waiting = 0
+        self._by_priority: dict[int, int] = {}
+
+    # ------------------------------------------------------------ queue
+
+    def key(self, req: Schedulable) -> float:
+        """Time-invariant urgency key: lower is more urgent (see the aging formula)."""
+        return req.priority + self.policy.aging_rate * req.arrival
 
     @staticmethod
     def kv_tokens(req: Schedulable) -> int:
         """KV-cache tokens a request may occupy: prompt plus every token it may generate."""
         return req.num_prompt_tokens + req.max_tokens
 
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def waiting_by_priority(self) -> dict[int, int]:
+        """Waiting requests per base priority."""
+        return {p: n for p, n in sorted(self._by_priority.items()) if n}
+
+    def is_waiting(self, req: Schedulable) -> bool:
+        return req.sched_token > 0
+
+    def waiting(self) -> list[Schedulable]:
+        """Waiting requests, most urgent first (a copy)."""
+        return [req for _, token, req in sorted(self._heap, key=lambda e: (e[0], e[1])) if req.sched_token == token]
+
     def max_request_tokens(self) -> int:
         """The largest prompt + max_tokens any ready worker could ever hold (0 if none ready)."""
         return max((min(w.max_model_len, w.kv_cache_tokens) for w in self.workers if w.ready), default=0)
 
-    def add(self, req: Schedulable) -> bool:
-        """Queue ``req``; False (nothing queued) when ``queue_size`` requests already wait."""
-        if len(self.waiting) >= self.queue_size:
-            return False
-        self.waiting.append(req)
-        return True
+    def add(self, req: Schedulable) -> tuple[bool, Schedulable | None]:
+        """Queue ``req``. Returns ``(accepted, displaced)``.
+
+        Not accepted: the queue (or its priority's share) is full and the
+        policy keeps the waiting requests. ``displaced``: a less urgent waiting
+        request that was removed to make room (the caller ends it with QUEUE_FULL).
+        """
+        policy = self.policy
+        limit = policy.priority_limits.get(req.priority)
+        if limit is not None and self._by_priority.get(req.priority, 0) >= limit:
+            return False, None
+        displaced = None
+        if self._num_waiting >= policy.queue_size:
+            if policy.full_policy != "evict":
+                return False, None
+            victim = self._least_urgent_waiting()
+            if victim is None or not self.key(req) < self.key(victim):
+                return False, None
+            self.remove(victim)
+            displaced = victim
+        self._push(req)
+        return True, displaced
+
+    def requeue(self, req: Schedulable) -> None:
+        """Put back a preempted (or orphaned) request; bounds do not apply, it was admitted before."""
+        self._push(req)
 
     def remove(self, req: Schedulable) -> bool:
         """Take a waiting request out of the queue; False if it was not waiting."""
-        try:
-            self.waiting.remove(req)
-        except ValueError:
+        if req.sched_token <= 0:
             return False
+        req.sched_token = 0
+        self._num_waiting -= 1
+        self._by_priority[req.priority] -= 1
+        self._maybe_compact()
         return True
 
-    def schedule(self) -> list[tuple[Schedulable, WorkerBudget]]:
-        """Assign waiting requests, oldest first, while some worker has room.
+    def _push(self, req: Schedulable) -> None:
+        token = next(self._tokens)
+        req.sched_token = token
+        key = self.key(req)
+        heapq.heappush(self._heap, (key, token, req))
+        heapq.heappush(self._evict_heap, (-key, -token, req))
+        self._num_waiting += 1
+        self._by_priority[req.priority] = self._by_priority.get(req.priority, 0) + 1
 
-        The head of the queue blocks the rest (FIFO): a long request is never
-        overtaken by shorter ones and so cannot starve.
-        """
+    def _peek(self) -> Schedulable | None:
+        heap = self._heap
+        while heap and heap[0][2].sched_token != heap[0][1]:
+            heapq.heappop(heap)
+        return heap[0][2] if heap else None
+
+    def _least_urgent_waiting(self) -> Schedulable | None:
+        heap = self._evict_heap
+        while heap and heap[0][2].sched_token != -heap[0][1]:
+            heapq.heappop(heap)
+        return heap[0][2] if heap else None
+
+    def _maybe_compact(self) -> None:
+        if len(self._heap) > 2 * self._num_waiting + COMPACT_SLACK:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        live = [req for _, token, req in self._heap if req.sched_token == token]
+        self._heap = [(self.key(r), r.sched_token, r) for r in live]
+        self._evict_heap = [(-k, -t, r) for k, t, r in self._heap]
+        heapq.heapify(self._heap)
+        heapq.heapify(self._evict_heap)
+
+    def set_aging_rate(self, rate: float) -> None:
+        """Change the aging rate (levels per second); re-keys the queue."""
+        self.policy.aging_rate = rate
+        self._rebuild()
+
+    # ------------------------------------------------------------ admission
+
+    def schedule(self, now: float) -> list[tuple[Schedulable, WorkerBudget]]:
+        """Assign waiting requests, most urgent first, while the head fits some worker."""
         placed = []
-        while self.waiting:
-            req = self.waiting[0]
-            tokens = self.kv_tokens(req)
-            candidates = [w for w in self.workers if w.fits(tokens, self.max_concurrency)]
-            if not candidates:
+        while (req := self._peek()) is not None:
+            worker = self._place(req)
+            if worker is None:
                 break
-            worker = min(candidates, key=lambda w: (w.kv_tokens_used / max(w.kv_cache_tokens, 1), w.running, w.index))
-            self.waiting.popleft()
-            worker.running += 1
-            worker.kv_tokens_used += tokens
-            worker.served += 1
-            req.worker = worker.index
+            self.remove(req)
+            self._start(req, worker, now)
             placed.append((req, worker))
         return placed
 
+    def _place(self, req: Schedulable) -> WorkerBudget | None:
+        tokens = self.kv_tokens(req)
+        limit = self.policy.max_concurrency
+        candidates = [w for w in self.workers if w.fits(tokens, limit)]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda w: (w.kv_tokens_used / max(w.kv_cache_tokens, 1), w.running, w.index))
+
+    def _start(self, req: Schedulable, worker: WorkerBudget, now: float) -> None:
+        worker.running += 1
+        worker.kv_tokens_used += self.kv_tokens(req)
+        worker.served += 1
+        req.worker = worker.index
+        req.started = now
+        self.running.add(req)
+
     def finished(self, req: Schedulable) -> None:
-        """Give back the budget of a running request that ended (any reason)."""
+        """Give back the budget of a running request that ended or is being preempted."""
         if req.worker is None:
             return
         worker = self.workers[req.worker]
         worker.running -= 1
         worker.kv_tokens_used -= self.kv_tokens(req)
         req.worker = None
+        self.running.discard(req)
         assert worker.running >= 0 and worker.kv_tokens_used >= 0, "scheduler budget went negative"
 
-    @property
-    def num_running(self) -> int:
-        return sum(w.running for w in self.workers)
+    def preempt(self) -> tuple[Schedulable, int] | None:
+        """Choose and release one running request so the waiting head can start.
+
+        Returns ``(victim, worker_index)`` or None if no running request
+        qualifies. The victim's budget is released and its ``worker`` cleared;
+        the caller aborts it on that worker and later calls :meth:`requeue`.
+        """
+        head = self._peek()
+        if head is None or not self.policy.preemption:
+            return None
+        tokens = self.kv_tokens(head)
+        limit = self.policy.max_concurrency
+        victims = sorted(
+            (r for r in self.running if r.priority > head.priority),
+            key=lambda r: (-r.priority, -r.started),
+        )
+        for victim in victims:
+            worker = self.workers[victim.worker]
+            if worker.fits(tokens, limit, release_tokens=self.kv_tokens(victim), release_slots=1):
+                self.finished(victim)
+                return victim, worker.index
+        return None
+
+    def clear_worker(self, index: int) -> list[Schedulable]:
+        """A worker is gone: release and return every request running on it."""
+        orphans = [r for r in self.running if r.worker == index]
+        for req in orphans:
+            self.finished(req)
+        budget = self.workers[index]
+        budget.ready = False
+        return orphans

@@ -72,14 +72,32 @@ class WorkerProcess:
     alive: bool = False
     last_heartbeat: float = field(default_factory=time.monotonic)
 
-    def send(self, command) -> None:
-        """Queue a command for the worker (never blocks: the command socket has no HWM)."""
-        self.commands.send(P.encode(command), zmq.NOBLOCK)
+    def send(self, command) -> bool:
+        """Queue a command for the worker; never blocks (the command socket has no HWM).
+
+        Returns False when no worker process is connected (it died or never
+        started); the caller's recovery (requeue on exit) covers the lost command.
+        """
+        try:
+            self.commands.send(P.encode(command), zmq.NOBLOCK)
+        except zmq.Again:
+            log.debug("worker %d not connected; %s dropped", self.index, type(command).__name__)
+            return False
+        return True
 
 
 def ring_name(instance: str, index: int) -> str:
     """/dev/shm name of worker ``index``'s ring."""
     return f"ringstream-{instance}-w{index}"
+
+
+def ring_mode(socket_mode: int) -> int:
+    """Ring file mode: owner read-write; group read-only when the socket is open to the group.
+
+    Only the front and its workers write rings; the group may observe them
+    (``ringstream-top``) but never gets write access, whatever ``socket_mode`` says.
+    """
+    return 0o600 | (0o040 if socket_mode & 0o060 else 0)
 
 
 def worker_threads(config: Config, devices: list[str]) -> int:
@@ -103,7 +121,8 @@ def create_workers(
     try:
         for index, device in enumerate(devices):
             name = ring_name(config.instance, index)
-            ring = RingConsumer.create(name, config.ring_bytes, mode=config.socket_mode, instance_id=secrets.randbits(63))
+            ring = RingConsumer.create(name, config.ring_bytes, mode=ring_mode(config.socket_mode),
+                                       instance_id=secrets.randbits(63))
             commands = zmq.Socket(ctx, zmq.PUSH)  # a plain socket, also on an asyncio context
             commands.setsockopt(zmq.SNDHWM, 0)
             commands.setsockopt(zmq.LINGER, 0)
@@ -114,9 +133,11 @@ def create_workers(
                 dtype=("float32" if device == "cpu" else "bfloat16") if dtype == "auto" else dtype,
                 command_address=address, event_address=event_address,
                 ring_name=name, ring_instance_id=ring.instance_id,
-                max_num_seqs=config.max_concurrency, max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                memory_utilization=config.memory_utilization,
                 threads=threads, heartbeat_s=config.worker_heartbeat_s, parent_pid=os.getpid(),
                 seed=config.seed, log_level=config.log_level,
+                engine=config.engine, synthetic_step_s=config.synthetic_step_ms / 1000,
             )
             workers.append(WorkerProcess(index, device, spec, ring, commands))
     except Exception as exc:

@@ -60,6 +60,41 @@ class WorkerSpec:
     parent_pid: int
     seed: int
     log_level: str
+    engine: str = "hf"
+    synthetic_step_s: float = 0.001
+    memory_utilization: float = 0.85
+
+
+def kv_cache_slots(model, max_model_len: int, spec: WorkerSpec) -> int:
+    """KV-cache slots that fit ``memory_utilization`` of the memory available now, at most ``max_num_seqs``.
+
+    One slot holds ``max_model_len`` tokens of keys and values for every
+    layer: ``2 * layers * kv_heads * head_dim * dtype bytes`` per token.
+    Available memory: ``psutil``'s available RAM on CPU, ``torch.cuda.mem_get_info``'s
+    free bytes on CUDA (measured after the weights are loaded).
+    Raises RuntimeError if not even one slot fits.
+    """
+    import psutil
+    import torch
+
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dtype_bytes = next(model.parameters()).element_size()
+    slot_bytes = 2 * config.num_hidden_layers * kv_heads * head_dim * dtype_bytes * (max_model_len + 1)
+    if spec.device == "cpu":
+        available = psutil.virtual_memory().available
+    else:
+        available = torch.cuda.mem_get_info(torch.device(spec.device))[0]
+    slots = min(spec.max_num_seqs, int(available * spec.memory_utilization) // slot_bytes)
+    if slots < 1:
+        raise RuntimeError(
+            f"{spec.memory_utilization:.0%} of {available / 2**30:.1f} GiB available holds no KV-cache slot "
+            f"of {slot_bytes / 2**20:.1f} MiB"
+        )
+    if slots < spec.max_num_seqs:
+        log.warning("memory allows %d KV-cache slots of the %d configured", slots, spec.max_num_seqs)
+    return slots
 
 
 class FrontGone(Exception):
@@ -150,16 +185,24 @@ class Worker:
             elif not torch.cuda.is_available() or int(spec.device.split(":")[1]) >= torch.cuda.device_count():
                 raise RuntimeError(f"device {spec.device} is not available on this host")
             info = resolve_model_dir(spec.model_path)
-            model = load_model(info, device=spec.device, dtype=spec.dtype)
-            self.engine = Engine(
-                model,
-                load_tokenizer(info),
-                max_num_seqs=spec.max_num_seqs,
-                max_num_batched_tokens=spec.max_num_batched_tokens,
-                eos_token_ids=info.eos_token_ids,
-                device=spec.device,
-                seed=spec.seed,
-            )
+            if spec.engine == "synthetic":
+                from daemon.synthetic import SyntheticEngine
+
+                self.engine = SyntheticEngine(
+                    max_num_seqs=spec.max_num_seqs, max_model_len=info.max_model_len,
+                    step_time_s=spec.synthetic_step_s, vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
+                )
+            else:
+                model = load_model(info, device=spec.device, dtype=spec.dtype)
+                self.engine = Engine(
+                    model,
+                    load_tokenizer(info),
+                    max_num_seqs=kv_cache_slots(model, info.max_model_len, spec),
+                    max_num_batched_tokens=spec.max_num_batched_tokens,
+                    eos_token_ids=info.eos_token_ids,
+                    device=spec.device,
+                    seed=spec.seed,
+                )
             self.engine.warmup()
             self.ring = RingProducer.attach(spec.ring_name, instance_id=spec.ring_instance_id)
         except Exception as exc:

@@ -189,6 +189,8 @@ class AsyncClient:
         self._tasks: list[asyncio.Task] = []
         self.stray_errors: deque[P.Error] = deque(maxlen=100)
         """Errors that named no open request (e.g. for an undecodable frame)."""
+        self.decode_errors: deque[str] = deque(maxlen=100)
+        """Replies this client could not decode (a newer daemon's message types), skipped."""
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -221,7 +223,8 @@ class AsyncClient:
             self._last_rx = time.monotonic()
             try:
                 msg = P.SERVER_DECODER.decode(frame)
-            except msgspec.DecodeError:
+            except msgspec.DecodeError as exc:
+                self.decode_errors.append(str(exc))
                 continue
             match msg:
                 case P.Chunk(id=rid) | P.Error(id=rid) if rid in self._streams:
@@ -309,7 +312,8 @@ class AsyncClient:
             except (asyncio.TimeoutError, DaemonUnavailable):
                 pass
             if time.monotonic() > deadline:
-                raise DaemonUnavailable(f"daemon at {self.address} not ready after {timeout_s:.0f} s")
+                skipped = f" (undecodable replies: {self.decode_errors[-1]})" if self.decode_errors else ""
+                raise DaemonUnavailable(f"daemon at {self.address} not ready after {timeout_s:.0f} s{skipped}")
 
 
 class Client:
@@ -330,6 +334,8 @@ class Client:
         self._ids = itertools.count()
         self._prefix = os.urandom(4).hex()
         self.stray_errors: deque[P.Error] = deque(maxlen=100)
+        self.decode_errors: deque[str] = deque(maxlen=100)
+        self._last_heartbeat = time.monotonic()
 
     def __enter__(self) -> "Client":
         return self
@@ -348,16 +354,20 @@ class Client:
         self._sock.send(P.encode(msg), zmq.NOBLOCK)
 
     def _pump(self) -> None:
-        """Receive one message (heartbeating while waiting) and route it."""
+        """Receive one message (heartbeating while streams are open) and route it."""
         last_rx = time.monotonic()
-        while not self._sock.poll(int(self.heartbeat_s * 1000)):
+        while True:
+            if self._streams and time.monotonic() - self._last_heartbeat >= self.heartbeat_s:
+                self._last_heartbeat = time.monotonic()
+                self._send(P.Heartbeat())
+            if self._sock.poll(int(self.heartbeat_s * 1000)):
+                break
             if time.monotonic() - last_rx > self.timeout_s:
                 raise DaemonUnavailable(f"no answer from {self.address} for {self.timeout_s:.0f} s")
-            if self._streams:
-                self._send(P.Heartbeat())
         try:
             msg = P.SERVER_DECODER.decode(self._sock.recv())
-        except msgspec.DecodeError:
+        except msgspec.DecodeError as exc:
+            self.decode_errors.append(str(exc))
             return
         match msg:
             case P.Chunk(id=rid) | P.Error(id=rid) if rid in self._streams:
@@ -398,6 +408,20 @@ class Client:
             self._pump()
         return self._status.popleft()
 
+    def admin(self, **settings) -> P.StatusReply:
+        """Change live settings (``max_concurrency=8``...); returns the status with the values in force.
+
+        Raises :class:`InvalidRequest` for an unknown setting or a bad value.
+        """
+        self._status.clear()
+        errors = len(self.stray_errors)
+        self._send(P.Admin(settings=settings))
+        while not self._status:
+            self._pump()
+            if len(self.stray_errors) > errors:
+                raise error_from(self.stray_errors[-1])
+        return self._status.popleft()
+
     def wait_ready(self, timeout_s: float = 300.0) -> P.StatusReply:
         """Poll ``status()`` until the daemon reports ready. Raises DaemonUnavailable on timeout."""
         deadline = time.monotonic() + timeout_s
@@ -411,7 +435,8 @@ class Client:
                 except DaemonUnavailable:
                     pass
                 if time.monotonic() > deadline:
-                    raise DaemonUnavailable(f"daemon at {self.address} not ready after {timeout_s:.0f} s")
+                    skipped = f" (undecodable replies: {self.decode_errors[-1]})" if self.decode_errors else ""
+                    raise DaemonUnavailable(f"daemon at {self.address} not ready after {timeout_s:.0f} s{skipped}")
                 time.sleep(0.05)
         finally:
             self.timeout_s = saved

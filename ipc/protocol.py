@@ -141,7 +141,7 @@ class Status(Struct, tag="status", **_WIRE):
     """Ask for live figures; answered by :class:`StatusReply`."""
 
 
-AdminValue = Union[bool, int, float, str]
+AdminValue = Union[bool, int, float, str, dict[str, int]]
 
 
 class Admin(Struct, tag="admin", **_WIRE):

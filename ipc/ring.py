@@ -65,6 +65,13 @@ Who writes what::
     producer_waiting           producer only (RingProducer.arm_space/disarm_space)
     everything                 never written by RingObserver (PROT_READ map)
 
+Observers.  :meth:`RingObserver.tail` shows the records the consumer has
+not committed yet; :meth:`RingObserver.follow` shows every record published
+after a cursor, including those the consumer has already committed, as long
+as the observer keeps up with the producer (their bytes stay in the data
+area until the producer reuses them one lap later).  Neither ever stores to
+the segment or makes the producer or consumer wait.
+
 Memory ordering.  The module targets x86-64 (total store order), where a
 store is never reordered with an earlier store, a load never with an earlier
 load, and a store never moves before an earlier load.  The only reordering
@@ -165,6 +172,10 @@ _CREATE_FLAGS = os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXE
 _INSPECT_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _RECLAIM_ATTEMPTS = 3
 _TAIL_ATTEMPTS = 4
+_FOLLOW_ATTEMPTS = 4
+_UNPUBLISHED_SHARE_DIVISOR = 2
+"""RingObserver.follow assumes by default that the producer never holds
+more than ``capacity // 2`` bytes written but not yet published."""
 
 _tuple_new = tuple.__new__
 
@@ -1055,6 +1066,164 @@ class RingObserver(_Mapped):
             if stopped_at is None or stopped_at >= oldest_intact:
                 break
         return [record for _position, record in found]
+
+    def follow(
+        self,
+        cursor: int | None = None,
+        *,
+        max_records: int | None = None,
+        unpublished_bytes: int | None = None,
+    ) -> tuple[list[Record], int, bool]:
+        """Return the records published after ``cursor``, oldest first.
+
+        Pass ``cursor=None`` to start at the current ``read_pos`` (the oldest
+        record the consumer has not committed), then pass back the cursor
+        each call returns.  Unlike :meth:`tail`, this also returns records
+        the consumer has already committed: their bytes stay intact until the
+        producer writes one full lap (``capacity`` bytes) past them, so an
+        observer that calls often enough sees every record exactly once.
+        PAD records are skipped.
+
+        Overwrite detection.  The producer stores a record's bytes before it
+        publishes ``write_pos``, and it may reuse position ``p`` as soon as it
+        writes at ``p + capacity``.  Its (private) write cursor never exceeds
+        ``read_pos + capacity``, nor, as long as it keeps at most
+        ``unpublished_bytes`` written but unpublished, ``write_pos +
+        unpublished_bytes``.  Every byte at or after the *horizon*
+        ``min(read_pos, write_pos + unpublished_bytes - capacity)`` is
+        therefore intact.  ``follow`` loads both positions, copies the
+        records from the cursor to ``write_pos``, then loads the positions
+        again: if the cursor is behind the new horizon, the copies may hold
+        reused bytes and are all discarded (the position of each record comes
+        from the header before it, so one damaged header misplaces every
+        later record).  Whenever the cursor is behind the horizon, before or
+        after copying, the observer was *lapped*: it resynchronises to the
+        current ``read_pos`` (always a record boundary) and continues from
+        there; the records in between are lost to it.
+
+        Args:
+            cursor: a byte position returned by an earlier call on this ring,
+                or None to start at ``read_pos``.
+            max_records: return at most this many records (None: all); the
+                returned cursor then points after the last one returned.
+            unpublished_bytes: the most bytes the producer holds written but
+                unpublished, between 0 and ``capacity``; None means
+                ``capacity // 2``.  Larger values are safer and make lapping
+                likelier; ``capacity`` trusts only bytes at or after
+                ``read_pos``.
+
+        Returns:
+            ``(records, cursor, lapped)``: the records, the cursor to pass
+            next time (a byte position, a record boundary), and True if
+            records between the given cursor and the first returned record
+            were lost because the producer reused their bytes first.
+
+        Raises:
+            TypeError: ``cursor``, ``max_records`` or ``unpublished_bytes`` is
+                not an int.
+            ValueError: a negative ``max_records``, ``unpublished_bytes``
+                outside ``0..capacity``, a cursor ahead of ``write_pos`` (not
+                a cursor of this ring), or the ring is closed.
+            RingError: intact bytes do not form valid records (the cursor
+                is not a record boundary, or the producer breached the
+                protocol).
+        """
+        if cursor is not None:
+            _validate_u64(cursor, "cursor")
+        if max_records is None:
+            limit = -1
+        elif isinstance(max_records, bool) or not isinstance(max_records, int):
+            raise TypeError(f"max_records must be int, not {type(max_records).__name__}")
+        elif max_records < 0:
+            raise ValueError(f"max_records must be >= 0, got {max_records}")
+        else:
+            limit = max_records
+        if unpublished_bytes is None:
+            unpublished_bytes = self._capacity // _UNPUBLISHED_SHARE_DIVISOR
+        elif isinstance(unpublished_bytes, bool) or not isinstance(unpublished_bytes, int):
+            raise TypeError(
+                f"unpublished_bytes must be int, not {type(unpublished_bytes).__name__}"
+            )
+        elif not 0 <= unpublished_bytes <= self._capacity:
+            raise ValueError(
+                f"unpublished_bytes must be between 0 and {self._capacity}, "
+                f"got {unpublished_bytes}"
+            )
+        slack = unpublished_bytes - self._capacity
+        q = self._q
+        # read_pos before write_pos: read_pos <= write_pos holds for any
+        # read_pos loaded earlier, so a fresh cursor never passes the end.
+        read_pos = q[_Q_READ_POS]
+        end = q[_Q_WRITE_POS]
+        if cursor is None:
+            cursor = read_pos
+        elif cursor > end:
+            raise ValueError(
+                f"{self._path}: cursor {cursor} is ahead of write_pos {end}; "
+                "it is not a cursor of this ring"
+            )
+        lapped = False
+        for _attempt in range(_FOLLOW_ATTEMPTS):
+            if cursor < min(read_pos, end + slack):
+                lapped = True
+                cursor = read_pos
+            if limit == 0:
+                return [], cursor, lapped
+            found, after, invalid_at = self._collect(cursor, end, limit)
+            read_pos = q[_Q_READ_POS]
+            end = q[_Q_WRITE_POS]
+            if cursor >= min(read_pos, end + slack):
+                if invalid_at is not None:
+                    raise RingError(
+                        f"{self._path}: no valid record at position {invalid_at} "
+                        "(not a record boundary, or a corrupt ring)"
+                    )
+                return found, after, lapped
+            lapped = True
+            cursor = read_pos
+        return [], cursor, lapped
+
+    def _collect(
+        self, position: int, end: int, limit: int
+    ) -> tuple[list[Record], int, int | None]:
+        """Copy up to ``limit`` (-1: all) records in [position, end).
+
+        Returns the records, the position where the walk stopped (after the
+        last record or PAD it passed, or at an invalid header), and the
+        position of an invalid header that stopped the walk (None if none
+        did).  The copies are trustworthy
+        only if ``position`` is still at or after the horizon once they are
+        made (see :meth:`follow`).
+        """
+        capacity = self._capacity
+        mask = self._mask
+        mm = self._mm
+        unpack = _RECORD_STRUCT.unpack_from
+        out: list[Record] = []
+        append = out.append
+        while position < end and len(out) != limit:
+            offset = position & mask
+            room = capacity - offset
+            if room < RECORD_HEADER_SIZE:
+                position += room
+                continue
+            start = HEADER_SIZE + offset
+            length, kind, flags, handle, seq, token_id = unpack(mm, start)
+            if kind == KIND_PAD and length == room:
+                position += room
+                continue
+            size = (length + _ALIGN_MASK) & ~_ALIGN_MASK
+            if (
+                kind not in DATA_KINDS
+                or length < RECORD_HEADER_SIZE
+                or size > room
+                or position + size > end
+            ):
+                return out, position, position
+            payload = mm[start + RECORD_HEADER_SIZE : start + length]
+            append(_tuple_new(Record, (kind, flags, handle, seq, token_id, payload)))
+            position += size
+        return out, position, None
 
     def _walk(
         self, position: int, end: int, n: int

@@ -1,80 +1,199 @@
-"""Scheduler without sockets or torch: queue bounds, FIFO order, budgets, placement."""
+"""Scheduler driven by hand-made requests and fake worker outcomes: no torch, no sockets."""
 
-from dataclasses import dataclass
+import itertools
+import random
 
-from daemon.scheduler import Scheduler, WorkerBudget
+from daemon.scheduler import Scheduler, SchedulerPolicy, WorkerBudget
+
+_ids = itertools.count()
 
 
-@dataclass(eq=False)
 class FakeRequest:
-    num_prompt_tokens: int
-    max_tokens: int
-    worker: int | None = None
+    def __init__(self, priority=0, arrival=0.0, prompt=10, max_tokens=10):
+        self.id = next(_ids)
+        self.priority = priority
+        self.arrival = arrival
+        self.num_prompt_tokens = prompt
+        self.max_tokens = max_tokens
+        self.worker = None
+        self.started = 0.0
+        self.sched_token = 0
+
+    def __repr__(self):
+        return f"R{self.id}(p={self.priority}, t={self.arrival})"
 
 
-def make(queue_size=4, max_concurrency=2, workers=1, slots=2, kv_tokens=1000, max_model_len=512):
-    sched = Scheduler(queue_size, max_concurrency)
+def make(workers=1, slots=2, kv_tokens=1000, max_model_len=512, **policy):
+    sched = Scheduler(SchedulerPolicy(**{"max_concurrency": 64, **policy}))
     sched.workers = [WorkerBudget(i, max_num_seqs=slots, max_model_len=max_model_len, kv_cache_tokens=kv_tokens,
                                   ready=True) for i in range(workers)]
     return sched
 
 
-def test_queue_is_bounded():
-    sched = make(queue_size=2)
-    assert sched.add(FakeRequest(1, 1)) and sched.add(FakeRequest(1, 1))
-    assert not sched.add(FakeRequest(1, 1))
-    assert len(sched.waiting) == 2
+def started(sched, now=0.0):
+    return [r for r, _ in sched.schedule(now)]
 
 
-def test_fifo_and_concurrency_limit():
-    sched = make(max_concurrency=2, slots=4)
-    reqs = [FakeRequest(10, 10) for _ in range(3)]
+def test_lower_priority_first_then_fifo():
+    sched = make(slots=10, aging_rate=0.0)
+    reqs = [FakeRequest(priority=p, arrival=t) for t, p in enumerate([5, 0, 5, -1, 0])]
     for r in reqs:
+        assert sched.add(r) == (True, None)
+    assert started(sched) == [reqs[3], reqs[1], reqs[4], reqs[0], reqs[2]]
+
+
+def test_aging_bounds_the_wait_under_a_constant_stream_of_urgent_work():
+    """A priority-10 request is served within 10 / aging_rate s plus one slot turnover."""
+    rate = 2.0
+    sched = make(slots=1, aging_rate=rate)
+    low = FakeRequest(priority=10, arrival=0.0)
+    sched.add(low)
+    running = None
+    t = 0.0
+    while True:
+        sched.add(FakeRequest(priority=0, arrival=t))  # a fresh urgent request every 0.1 s
+        if running is not None:
+            sched.finished(running)
+        now_started = started(sched, t)
+        assert len(now_started) == 1
+        running = now_started[0]
+        if running is low:
+            break
+        t += 0.1
+        assert t < 100, "starved"
+    assert t <= 10 / rate + 0.1 + 1e-9
+
+
+def test_queue_bound_and_priority_limits_reject():
+    sched = make(queue_size=3, priority_limits={10: 1})
+    assert sched.add(FakeRequest(priority=10))[0]
+    assert sched.add(FakeRequest(priority=10)) == (False, None)
+    assert sched.add(FakeRequest(priority=0))[0] and sched.add(FakeRequest(priority=0))[0]
+    assert sched.add(FakeRequest(priority=-5)) == (False, None)
+    assert sched.num_waiting == 3 and sched.waiting_by_priority() == {0: 2, 10: 1}
+
+
+def test_evict_policy_displaces_the_least_urgent_newest_request():
+    sched = make(queue_size=3, full_policy="evict", aging_rate=0.0)
+    a, b, c = FakeRequest(5, 0.0), FakeRequest(9, 1.0), FakeRequest(9, 2.0)
+    for r in (a, b, c):
         sched.add(r)
-    placed = [r for r, _ in sched.schedule()]
-    assert placed == reqs[:2]
-    assert list(sched.waiting) == reqs[2:]
-    sched.finished(reqs[0])
-    assert [r for r, _ in sched.schedule()] == [reqs[2]]
+    same = FakeRequest(9, 3.0)
+    assert sched.add(same) == (False, None)  # not strictly more urgent
+    urgent = FakeRequest(0, 4.0)
+    assert sched.add(urgent) == (True, c)
+    assert sched.waiting() == [urgent, a, b]
 
 
-def test_kv_budget_is_never_exceeded_and_returns_to_zero():
-    sched = make(max_concurrency=8, slots=8, kv_tokens=100)
-    reqs = [FakeRequest(30, 20) for _ in range(4)]
-    for r in reqs:
-        sched.add(r)
-    placed = [r for r, _ in sched.schedule()]
-    assert len(placed) == 2 and sched.workers[0].kv_tokens_used == 100
-    for r in placed:
+def test_budget_is_never_exceeded_never_negative_and_returns_to_zero():
+    rng = random.Random(7)
+    sched = make(workers=3, slots=4, kv_tokens=300, queue_size=10_000)
+    running = []
+    for step in range(2000):
+        if rng.random() < 0.6:
+            sched.add(FakeRequest(rng.randint(0, 3), step, rng.randint(1, 100), rng.randint(1, 100)))
+        if running and rng.random() < 0.5:
+            sched.finished(running.pop(rng.randrange(len(running))))
+        running += started(sched, step)
+        for w in sched.workers:
+            assert 0 <= w.running <= 4 and 0 <= w.kv_tokens_used <= 300
+    for r in running:
         sched.finished(r)
-    placed = [r for r, _ in sched.schedule()]
-    assert len(placed) == 2
-    for r in placed:
-        sched.finished(r)
-    assert sched.workers[0].kv_tokens_used == 0 and sched.workers[0].running == 0
+    while sched.num_waiting:
+        for r in started(sched):
+            sched.finished(r)
+    assert all(w.running == 0 and w.kv_tokens_used == 0 for w in sched.workers)
 
 
-def test_head_of_line_blocks_so_long_requests_do_not_starve():
-    sched = make(max_concurrency=8, slots=8, kv_tokens=100)
-    first = FakeRequest(40, 40)
+def test_head_of_line_is_never_overtaken():
+    sched = make(slots=8, kv_tokens=100, aging_rate=0.0)
+    first = FakeRequest(0, 0.0, 40, 40)
     sched.add(first)
-    sched.schedule()
-    big, small = FakeRequest(50, 40), FakeRequest(1, 1)
+    started(sched)
+    big, small = FakeRequest(0, 1.0, 50, 40), FakeRequest(0, 2.0, 1, 1)
     sched.add(big)
     sched.add(small)
-    assert sched.schedule() == []
+    assert started(sched) == []
     sched.finished(first)
-    assert [r for r, _ in sched.schedule()] == [big, small]
+    assert started(sched) == [big, small]
 
 
 def test_equal_workers_get_equal_shares_and_unready_get_none():
-    sched = make(queue_size=16, max_concurrency=8, slots=8, workers=3)
+    sched = make(workers=3, slots=8, queue_size=16)
     sched.workers[2].ready = False
     for _ in range(8):
-        sched.add(FakeRequest(10, 10))
-    placed = sched.schedule()
-    counts = [sum(1 for _, w in placed if w.index == i) for i in range(3)]
-    assert counts == [4, 4, 0]
+        sched.add(FakeRequest())
+    placed = sched.schedule(0.0)
+    assert [sum(1 for _, w in placed if w.index == i) for i in range(3)] == [4, 4, 0]
+
+
+def test_max_concurrency_caps_slots_and_can_change_live():
+    sched = make(slots=16, max_concurrency=8)
+    for t in range(20):
+        sched.add(FakeRequest(arrival=t))
+    first = started(sched)
+    assert len(first) == 8
+    sched.policy.max_concurrency = 2
+    for r in first[:5]:
+        sched.finished(r)
+    assert started(sched) == []  # 3 still running > 2: drains down, nothing killed
+    for r in first[5:7]:
+        sched.finished(r)
+    assert len(started(sched)) == 1
+    sched.policy.max_concurrency = 16
+    assert len(started(sched)) == 11 and sched.num_running == 13 and sched.num_waiting == 0
+
+
+def test_preemption_picks_least_urgent_most_recent_and_only_when_strictly_more_urgent():
+    sched = make(slots=3, aging_rate=0.0)
+    old10, mid5, new10 = FakeRequest(10, 0.0), FakeRequest(5, 1.0), FakeRequest(10, 2.0)
+    for i, r in enumerate((old10, mid5, new10)):
+        sched.add(r)
+        started(sched, now=float(i))
+    peer = FakeRequest(10, 3.0)
+    sched.add(peer)
+    assert sched.preempt() is None  # equal priority never preempts
+    sched.remove(peer)
+    urgent = FakeRequest(0, 4.0)
+    sched.add(urgent)
+    victim, worker = sched.preempt()
+    assert victim is new10 and worker == 0 and new10.worker is None
+    assert started(sched) == [urgent]
+    sched.requeue(new10)
+    assert sched.waiting() == [new10]
+
+
+def test_no_preemption_when_switched_off_or_when_capacity_is_free():
+    sched = make(slots=2, preemption=False)
+    sched.add(FakeRequest(10))
+    started(sched)
+    sched.add(FakeRequest(10))
+    started(sched)
+    sched.add(FakeRequest(0))
+    assert sched.preempt() is None
+    sched.policy.preemption = True
+    assert sched.preempt() is not None
+
+
+def test_aging_rate_change_rekeys_the_queue():
+    sched = make(slots=1, aging_rate=0.0)
+    old_low, new_high = FakeRequest(5, 0.0), FakeRequest(0, 100.0)
+    sched.add(old_low)
+    sched.add(new_high)
+    assert sched.waiting() == [new_high, old_low]
+    sched.set_aging_rate(1.0)  # old_low: 5 + 0 = 5 < new_high: 0 + 100
+    assert sched.waiting() == [old_low, new_high]
+
+
+def test_clear_worker_returns_its_running_requests():
+    sched = make(workers=2, slots=2)
+    reqs = [FakeRequest(arrival=t) for t in range(4)]
+    for r in reqs:
+        sched.add(r)
+    placed = sched.schedule(0.0)
+    on_one = {r for r, w in placed if w.index == 1}
+    assert set(sched.clear_worker(1)) == on_one
+    assert sched.workers[1].running == 0 and not sched.workers[1].ready
 
 
 def test_max_request_tokens_is_the_largest_ready_worker_limit():

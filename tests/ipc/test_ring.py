@@ -1079,3 +1079,291 @@ def test_observer_tail_while_ring_runs(make_name: Callable[[], str], tmp_path: P
         raise failures[0]
     assert results, "the observer never ran"
     assert any(results), "the observer never saw a record"
+
+
+# -- observer follow -------------------------------------------------------------
+
+FOLLOW_SIZES = (0, 1, 7, 8, 100, 999, None, 1500, 13, 2000, 3, 64, 4000, None, 40)
+FOLLOW_SHORT_TAIL = 16
+RECORD_ALIGN_BYTES = 8
+FOLLOW_ROUNDS = 120
+FOLLOW_BATCH = 3
+FOLLOW_MIN_LAPS = 10
+LAP_PAYLOAD = 100
+LAP_RECORDS = SMALL_CAPACITY // record_size(LAP_PAYLOAD)
+FOLLOWED_RECORDS = 200_000
+FOLLOWER_PAUSE_EVERY = 25
+FOLLOWER_PAUSE_S = 0.01
+
+
+def write_published(producer: RingProducer, seqs: range, size: int = 0) -> None:
+    for seq in seqs:
+        assert producer.try_write(KIND_TOKEN, 0, seq % 5, seq, seq * 3, payload_of(seq, size))
+    producer.publish()
+
+
+def drain(consumer: RingConsumer) -> list[Record]:
+    records = consumer.read()
+    consumer.commit()
+    return records
+
+
+def test_follow_starts_at_read_pos_and_keeps_committed_records(
+    pair: tuple[RingConsumer, RingProducer],
+) -> None:
+    consumer, producer = pair
+    written = [Record(KIND_TOKEN, 0, 7, seq, seq + 1, b"t" * seq) for seq in range(10)]
+    for record in written[:6]:
+        assert producer.try_write(*record)
+    producer.publish()
+    consumer.read(2)
+    consumer.commit()
+    with closing(RingObserver.attach(consumer.name)) as observer:
+        records, cursor, lapped = observer.follow()
+        assert (records, lapped) == (written[2:6], False)
+        assert cursor == observer.header()["write_pos"]
+        assert observer.follow(cursor) == ([], cursor, False)
+        drain(consumer)
+        for record in written[6:]:
+            assert producer.try_write(*record)
+        assert observer.follow(cursor) == ([], cursor, False), "unpublished records are invisible"
+        producer.publish()
+        drain(consumer)
+        records, end, lapped = observer.follow(cursor)
+        assert (records, lapped) == (written[6:], False), "committed records stay visible"
+        assert end == observer.header()["write_pos"] == observer.header()["read_pos"]
+        assert observer.follow(0) == (written, end, False)
+        first, middle, lapped = observer.follow(0, max_records=3)
+        assert (first, lapped) == (written[:3], False)
+        assert observer.follow(middle) == (written[3:], end, False)
+        assert observer.follow(middle, max_records=0) == ([], middle, False)
+
+
+def test_follow_rejects_bad_arguments(make_name: Callable[[], str]) -> None:
+    with RingConsumer.create(make_name(), SMALL_CAPACITY) as consumer:
+        with closing(RingProducer.attach(consumer.name)) as producer:
+            write_published(producer, range(1), size=1)
+        observer = RingObserver.attach(consumer.name)
+        with closing(observer):
+            end = observer.header()["write_pos"]
+            with pytest.raises(ValueError, match="ahead of write_pos"):
+                observer.follow(end + RECORD_HEADER_SIZE)
+            with pytest.raises(ValueError):
+                observer.follow(-1)
+            with pytest.raises(TypeError):
+                observer.follow("0")  # type: ignore[arg-type]
+            with pytest.raises(ValueError):
+                observer.follow(max_records=-1)
+            with pytest.raises(TypeError):
+                observer.follow(max_records=1.0)  # type: ignore[arg-type]
+            for bad in (-1, SMALL_CAPACITY + 1):
+                with pytest.raises(ValueError):
+                    observer.follow(unpublished_bytes=bad)
+            with pytest.raises(TypeError):
+                observer.follow(unpublished_bytes=0.5)  # type: ignore[arg-type]
+            with pytest.raises(RingError, match="no valid record"):
+                observer.follow(RECORD_ALIGN_BYTES)
+        with pytest.raises(ValueError):
+            observer.follow()
+
+
+def follow_payload_size(round_number: int, room: int) -> int:
+    """Payload size for the next record; every few rounds, one that leaves
+    a tail too short for a PAD header before the end of the data area."""
+    size = FOLLOW_SIZES[round_number % len(FOLLOW_SIZES)]
+    if size is None:
+        return max(room - FOLLOW_SHORT_TAIL - RECORD_HEADER_SIZE, 0)
+    return size
+
+
+def test_follow_across_wrap(pair: tuple[RingConsumer, RingProducer]) -> None:
+    """Every record is seen once, through PADs and short tails, while the
+    consumer commits everything before the observer looks."""
+    consumer, producer = pair
+    model = RingModel(SMALL_CAPACITY)
+    sizes: dict[int, int] = {}
+    pads = short_tails = 0
+    seq = 0
+    with closing(RingObserver.attach(consumer.name)) as observer:
+        _, cursor, _ = observer.follow()
+        for round_number in range(FOLLOW_ROUNDS):
+            written = []
+            for _ in range(FOLLOW_BATCH):
+                room = SMALL_CAPACITY - model.write_pos % SMALL_CAPACITY
+                size = follow_payload_size(round_number, room)
+                before = model.write_pos
+                expected, _position = model.expect_write(size)
+                if record_size(size) > room and model.write_pos > before:
+                    pads += room >= RECORD_HEADER_SIZE
+                    short_tails += room < RECORD_HEADER_SIZE
+                written_now = producer.try_write(
+                    KIND_TOKEN, 0, round_number, seq, 0, payload_of(seq, size)
+                )
+                assert written_now == expected
+                if not written_now:
+                    break
+                sizes[seq] = size
+                written.append(seq)
+                seq += 1
+            producer.publish()
+            assert [record.seq for record in drain(consumer)] == written
+            model.committed = model.write_pos
+            # Every record is published before follow runs: nothing is unpublished.
+            records, cursor, lapped = observer.follow(cursor, unpublished_bytes=0)
+            assert not lapped
+            assert [record.seq for record in records] == written
+            assert all(record.payload == payload_of(record.seq, sizes[record.seq]) for record in records)
+            assert cursor == observer.header()["write_pos"] == model.write_pos
+        assert model.write_pos > FOLLOW_MIN_LAPS * SMALL_CAPACITY
+    assert pads and short_tails, "the sizes must exercise both kinds of wrap"
+
+
+def test_follow_detects_a_lap_and_resyncs_to_read_pos(
+    pair: tuple[RingConsumer, RingProducer],
+) -> None:
+    consumer, producer = pair
+    with closing(RingObserver.attach(consumer.name)) as observer:
+        _, cursor, _ = observer.follow()
+        assert cursor == 0
+        write_published(producer, range(LAP_RECORDS), LAP_PAYLOAD)
+        drain(consumer)
+        write_published(producer, range(LAP_RECORDS, LAP_RECORDS + 3), LAP_PAYLOAD)
+        drain(consumer)
+        write_published(producer, range(LAP_RECORDS + 3, LAP_RECORDS + 6), LAP_PAYLOAD)
+        records, end, lapped = observer.follow(cursor)
+        assert lapped
+        assert [record.seq for record in records] == list(range(LAP_RECORDS + 3, LAP_RECORDS + 6))
+        assert end == observer.header()["write_pos"]
+        write_published(producer, range(LAP_RECORDS + 6, LAP_RECORDS + 7), LAP_PAYLOAD)
+        records, _, lapped = observer.follow(end)
+        assert not lapped
+        assert [record.seq for record in records] == [LAP_RECORDS + 6]
+
+
+def test_follow_horizon_depends_on_unpublished_bytes(
+    pair: tuple[RingConsumer, RingProducer],
+) -> None:
+    """After exactly one lap every byte may still be intact; how much of it
+    follow trusts depends on how far the producer may run unpublished."""
+    consumer, producer = pair
+    assert LAP_RECORDS * record_size(LAP_PAYLOAD) == SMALL_CAPACITY
+    write_published(producer, range(LAP_RECORDS), LAP_PAYLOAD)
+    drain(consumer)
+    with closing(RingObserver.attach(consumer.name)) as observer:
+        records, end, lapped = observer.follow(0, unpublished_bytes=0)
+        assert (len(records), end, lapped) == (LAP_RECORDS, SMALL_CAPACITY, False)
+        half = SMALL_CAPACITY // 2
+        records, _, lapped = observer.follow(half, unpublished_bytes=half)
+        assert (len(records), lapped) == (LAP_RECORDS // 2, False)
+        assert observer.follow(0) == ([], SMALL_CAPACITY, True)
+        assert observer.follow(half - 1, unpublished_bytes=half) == ([], SMALL_CAPACITY, True)
+        assert observer.follow(0, unpublished_bytes=SMALL_CAPACITY) == ([], SMALL_CAPACITY, True)
+
+
+def test_follow_discards_copies_overwritten_while_copying(
+    pair: tuple[RingConsumer, RingProducer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The producer laps the observer between its copy and its re-check:
+    the copies are dropped and the observer resyncs to read_pos."""
+    consumer, producer = pair
+    write_published(producer, range(5), LAP_PAYLOAD)
+    with closing(RingObserver.attach(consumer.name)) as observer:
+        collect = observer._collect
+        starts: list[int] = []
+
+        def collect_while_lapped(position: int, end: int, limit: int):
+            copied = collect(position, end, limit)
+            if not starts:
+                drain(consumer)
+                write_published(producer, range(5, LAP_RECORDS + 5), LAP_PAYLOAD)
+                drain(consumer)
+                write_published(producer, range(LAP_RECORDS + 5, LAP_RECORDS + 7), LAP_PAYLOAD)
+            starts.append(position)
+            return copied
+
+        monkeypatch.setattr(observer, "_collect", collect_while_lapped)
+        records, end, lapped = observer.follow(0)
+        assert lapped
+        assert [record.seq for record in records] == [LAP_RECORDS + 5, LAP_RECORDS + 6]
+        header = observer.header()
+        assert starts == [0, header["read_pos"]]
+        assert end == header["write_pos"]
+
+
+def test_follow_is_read_only(pair: tuple[RingConsumer, RingProducer]) -> None:
+    consumer, producer = pair
+    write_published(producer, range(20), size=40)
+    drain(consumer)
+    write_published(producer, range(20, 25), size=40)
+    os.chmod(consumer.path, 0o400)
+    before = read_segment(consumer.path)
+    writable_maps = mappings_of(consumer.path)
+    with closing(RingObserver.attach(consumer.name)) as observer:
+        new_maps = {
+            span: perms
+            for span, perms in mappings_of(consumer.path).items()
+            if span not in writable_maps
+        }
+        assert list(new_maps.values()) == ["r--s"]
+        records, cursor, lapped = observer.follow()
+        assert [record.seq for record in records] == list(range(20, 25))
+        assert len(observer.follow(0)[0]) == 25
+        assert read_segment(consumer.path) == before
+    assert read_segment(consumer.path) == before
+    assert os.path.exists(consumer.path)
+
+
+def test_follow_while_a_fast_writer_laps_the_observer(
+    make_name: Callable[[], str], tmp_path: Path
+) -> None:
+    """A follower that sometimes pauses gets lapped by a producer process
+    running flat out; it must say so and never return a damaged or
+    out-of-order record."""
+    calls: list[tuple[int, bool]] = []
+    failures: list[BaseException] = []
+    stop = threading.Event()
+    last = FOLLOWED_RECORDS - 1
+
+    def follow(name: str) -> None:
+        try:
+            with closing(RingObserver.attach(name)) as observer:
+                cursor = None
+                previous = -1
+                gap_allowed = False
+                while not stop.is_set():
+                    records, cursor, lapped = observer.follow(cursor)
+                    for record in records:
+                        check_stress_record(record, record.seq, last)
+                    gap_allowed = gap_allowed or lapped
+                    if records:
+                        seqs = [record.seq for record in records]
+                        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+                        if previous >= 0:
+                            assert seqs[0] > previous if gap_allowed else seqs[0] == previous + 1
+                        previous = seqs[-1]
+                        gap_allowed = False
+                    calls.append((len(records), lapped))
+                    if len(calls) % FOLLOWER_PAUSE_EVERY == 0:
+                        time.sleep(FOLLOWER_PAUSE_S)
+        except BaseException as exc:  # pytest.fail raises a BaseException; re-raised below
+            failures.append(exc)
+
+    previous_interval = sys.getswitchinterval()
+    sys.setswitchinterval(OBSERVER_SWITCH_INTERVAL_S)
+    try:
+        with RingConsumer.create(make_name(), STRESS_CAPACITY) as consumer:
+            follower = threading.Thread(target=follow, args=(consumer.name,))
+            follower.start()
+            try:
+                with producer_process(consumer, FOLLOWED_RECORDS, tmp_path) as bells:
+                    consume(consumer, FOLLOWED_RECORDS, *bells)
+            finally:
+                stop.set()
+                follower.join(STRESS_JOIN_TIMEOUT_S)
+    finally:
+        sys.setswitchinterval(previous_interval)
+    assert not follower.is_alive()
+    if failures:
+        raise failures[0]
+    assert any(lapped for _count, lapped in calls), "the writer never lapped the follower"
+    assert any(count and not lapped for count, lapped in calls), "the follower never kept up"

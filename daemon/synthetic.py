@@ -1,0 +1,351 @@
+"""Synthetic engine: deterministic tokens at a fixed step time, no model compute.
+
+``SyntheticEngine`` implements :class:`daemon.engine.BaseEngine` with the same
+request semantics as :class:`daemon.engine.Engine` as the serving layer sees
+them, but without a model: it exists to measure the serving layer (front,
+scheduler, rings, sockets, client) on its own, as Triton Inference Server's
+``identity`` model does for Triton. With it, any throughput or latency limit a
+benchmark finds belongs to the serving layer, since the "model" costs a fixed,
+known ``step_time_s`` per step.
+
+What it shares with ``Engine``:
+
+* continuous batching over ``max_num_seqs`` slots: waiting requests are
+  admitted FIFO into free slots at each step (including slots freed by
+  requests that finish in that step), and every running request yields
+  exactly one ``TokenOutput`` per step, the one with a ``finish_reason``
+  being its last;
+* stop conditions in the same order: EOS / ``stop_token_ids`` (the token is
+  included and adds no text), then ``stop`` strings (the text ends right
+  before the first one, which is never emitted, held back across tokens the
+  way :class:`daemon.detokenizer.IncrementalDetokenizer` does), then length
+  (``max_tokens`` or the context limit ``max_model_len``);
+* ``abort``, resume via ``EngineRequest.output_token_ids`` (generation
+  continues at ``seq = len(output_token_ids)``), and the same
+  ``ValueError`` / ``CapacityError`` for bad or excess requests.
+
+What it does differently: token ``seq`` of the request with handle ``h`` is
+``(h * TOKEN_HANDLE_STRIDE + seq) % vocab_size`` whatever the sampling
+parameters (they are validated, then ignored), and its text delta is
+``" t<seq>"`` (ASCII), so a client can check the order of a stream from its
+text alone. ``step()`` sleeps (``time.sleep``) for what remains of
+``step_time_s`` after its own bookkeeping, so a worker loop driving it is
+paced like one driving a model whose forward takes ``step_time_s``.
+
+The engine is not thread-safe: call all methods from one thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from daemon.engine import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    BaseEngine,
+    CapacityError,
+    EngineError,
+    EngineRequest,
+    TokenOutput,
+)
+
+__all__ = ["SyntheticEngine", "synthetic_text", "synthetic_token_id"]
+
+DEFAULT_MAX_NUM_SEQS = 64
+DEFAULT_MAX_MODEL_LEN = 4096
+DEFAULT_STEP_TIME_S = 0.001
+DEFAULT_VOCAB_SIZE = 4096
+TOKEN_HANDLE_STRIDE = 31
+"""Multiplier of the handle in the token formula; co-prime with typical vocabulary sizes."""
+TEXT_PREFIX = " t"
+"""Each token's text delta is this prefix followed by the token's ``seq`` in decimal."""
+
+
+def synthetic_token_id(handle: int, seq: int, vocab_size: int) -> int:
+    """Token id number ``seq`` (0-based) of request ``handle``: ``(handle * 31 + seq) % vocab_size``."""
+    return (handle * TOKEN_HANDLE_STRIDE + seq) % vocab_size
+
+
+def synthetic_text(seq: int) -> str:
+    """Text delta of output token number ``seq``: ``" t<seq>"``, e.g. ``" t0"``, ``" t1"``."""
+    return f"{TEXT_PREFIX}{seq}"
+
+
+class _StopScanner:
+    """Stop-string matching over streamed text, holding back possible stop-string prefixes.
+
+    Same rule as :class:`daemon.detokenizer.IncrementalDetokenizer`: the text
+    ends right before the first stop string to appear (possibly spread over
+    several deltas), which is not emitted; the longest suffix that could start
+    a stop string is held back until it is resolved.
+    """
+
+    __slots__ = ("_stops", "_max_stop_len", "_held", "stop_string")
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self._stops = tuple(s for s in stops if s)
+        self._max_stop_len = max((len(s) for s in self._stops), default=0)
+        self._held = ""
+        self.stop_string: str | None = None
+
+    def add(self, chunk: str) -> str:
+        """Feed a text delta; return the part that is safe to emit now."""
+        if self.stop_string is not None:
+            return ""
+        if not self._stops:
+            return chunk
+        pending = self._held + chunk
+        # A match must end inside the new chunk, so it starts at most
+        # max_stop_len - 1 characters before it.
+        search_from = max(0, len(self._held) - self._max_stop_len + 1)
+        best_start = -1
+        for stop in self._stops:
+            start = pending.find(stop, search_from)
+            if start != -1 and (best_start == -1 or start < best_start):
+                best_start, self.stop_string = start, stop
+        if best_start != -1:
+            self._held = ""
+            return pending[:best_start]
+        hold = self._longest_stop_prefix_suffix(pending)
+        self._held = pending[len(pending) - hold :]
+        return pending[: len(pending) - hold]
+
+    def _longest_stop_prefix_suffix(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+        for length in range(min(len(text), self._max_stop_len - 1), 0, -1):
+            suffix = text[-length:]
+            if any(stop.startswith(suffix) for stop in self._stops):
+                return length
+        return 0
+
+    def flush(self) -> str:
+        """Release the held-back text (the request ends without a stop string)."""
+        held, self._held = self._held, ""
+        return "" if self.stop_string is not None else held
+
+
+@dataclass(slots=True, eq=False)
+class _Sequence:
+    """Engine-side state of one unfinished request."""
+
+    request: EngineRequest
+    max_output_tokens: int
+    stop_token_ids: frozenset[int]
+    user_stop_token_ids: frozenset[int]
+    scanner: _StopScanner
+
+
+class SyntheticEngine(BaseEngine):
+    """Model-free engine with ``Engine``'s serving semantics; see the module docstring.
+
+    Args:
+        max_num_seqs: slots = most requests running at once, and the most
+            requests waiting + running.
+        max_model_len: most tokens (prompt + output) per request.
+        step_time_s: wall time of one step that has work, in seconds
+            (``>= 0``); ``step()`` sleeps for whatever its bookkeeping left.
+        vocab_size: token ids are in ``[0, vocab_size)``, for prompts and
+            outputs alike.
+        eos_token_ids: ids that end a request (unless ``ignore_eos``).
+
+    Raises:
+        ValueError: a size argument out of range.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+        max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+        step_time_s: float = DEFAULT_STEP_TIME_S,
+        vocab_size: int = DEFAULT_VOCAB_SIZE,
+        eos_token_ids: tuple[int, ...] | list[int] = (),
+    ) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        if not step_time_s >= 0:
+            raise ValueError(f"step_time_s must be >= 0 seconds, got {step_time_s}")
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.step_time_s = float(step_time_s)
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._waiting: deque[_Sequence] = deque()
+        self._running: dict[int, _Sequence] = {}
+        self._by_handle: dict[int, _Sequence] = {}
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """Token capacity the scheduler may budget: ``max_num_seqs * max_model_len``."""
+        return self.max_num_seqs * self.max_model_len
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of KV cache allocated: none."""
+        return 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def add(self, req: EngineRequest) -> None:
+        """Queue ``req``; it is admitted at the next ``step`` with a free slot.
+
+        Raises:
+            ValueError: empty prompt, token id outside ``[0, vocab_size)``,
+                ``len(prompt) + len(output) >= max_model_len``, invalid
+                sampling parameters, a handle already in use, or
+                ``output_token_ids`` that already finish the request.
+            CapacityError: ``max_num_seqs`` requests are already waiting or running.
+        """
+        if req.handle in self._by_handle:
+            raise ValueError(f"handle {req.handle} is already in use")
+        if len(self._by_handle) >= self.max_num_seqs:
+            raise CapacityError(f"engine is full: {self.max_num_seqs} unfinished requests")
+        seq = self._make_sequence(req)
+        self._by_handle[req.handle] = seq
+        self._waiting.append(seq)
+
+    def abort(self, handle: int) -> bool:
+        """Drop request ``handle``, freeing its slot at once; True if it was unfinished.
+
+        No further ``TokenOutput`` is produced for it.
+        """
+        seq = self._by_handle.pop(handle, None)
+        if seq is None:
+            return False
+        if self._running.pop(handle, None) is None:
+            self._waiting.remove(seq)
+        return True
+
+    def step(self) -> list[TokenOutput]:
+        """Emit one token for each running request, then admit waiting ones (their first token too).
+
+        Returns the step's outputs, one per request that produced a token;
+        [] at once when idle. A step with work lasts at least ``step_time_s``.
+        """
+        if not self.has_unfinished():
+            return []
+        start = time.perf_counter()
+        outputs: list[TokenOutput] = []
+        for seq in list(self._running.values()):
+            self._emit(seq, outputs)
+        while self._waiting and len(self._running) < self.max_num_seqs:
+            seq = self._waiting.popleft()
+            self._running[seq.request.handle] = seq
+            self._emit(seq, outputs)
+        remaining = self.step_time_s - (time.perf_counter() - start)
+        if remaining > 0:
+            time.sleep(remaining)
+        return outputs
+
+    def warmup(self) -> None:
+        """Nothing to warm up; checks only that the engine is idle.
+
+        Raises:
+            EngineError: the engine is not idle.
+        """
+        if self.has_unfinished():
+            raise EngineError("warmup needs an idle engine")
+
+    def _make_sequence(self, req: EngineRequest) -> _Sequence:
+        """Validate ``req`` as ``Engine`` does and build its state."""
+        params = req.params
+        prompt = req.prompt_token_ids
+        output = req.output_token_ids
+        if not prompt:
+            raise ValueError("prompt_token_ids is empty")
+        if len(prompt) + len(output) >= self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt)}) + output ({len(output)}) tokens leave no room within "
+                f"max_model_len={self.max_model_len}"
+            )
+        ids = list(prompt) + list(output)
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        if params.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        if len(output) >= params.max_tokens:
+            raise ValueError(f"output_token_ids already hold max_tokens={params.max_tokens} tokens")
+        if not params.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {params.temperature}")
+        if not 0.0 < params.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+        if params.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {params.top_k}")
+
+        user_stop_ids = frozenset(params.stop_token_ids)
+        stop_ids = user_stop_ids if params.ignore_eos else user_stop_ids | frozenset(self.eos_token_ids)
+        if output and output[-1] in stop_ids:
+            raise ValueError("output_token_ids already end with a stop token")
+        scanner = _StopScanner(params.stop)
+        for seq_no in range(len(output)):
+            scanner.add(synthetic_text(seq_no))
+        if scanner.stop_string is not None:
+            raise ValueError("output_token_ids already contain a stop string")
+        return _Sequence(
+            request=req,
+            max_output_tokens=min(params.max_tokens, self.max_model_len - len(prompt)),
+            stop_token_ids=stop_ids,
+            user_stop_token_ids=user_stop_ids,
+            scanner=scanner,
+        )
+
+    def _emit(self, seq: _Sequence, outputs: list[TokenOutput]) -> None:
+        """Produce ``seq``'s next token, apply the stop conditions, append its ``TokenOutput``.
+
+        Order of checks (``Engine``'s, after vLLM): EOS / stop token, then stop
+        string, then length.
+        """
+        req = seq.request
+        output_ids = req.output_token_ids
+        seq_no = len(output_ids)
+        token_id = synthetic_token_id(req.handle, seq_no, self.vocab_size)
+        output_ids.append(token_id)
+        num_output = seq_no + 1
+        scanner = seq.scanner
+        finish_reason = None
+        stop_reason = None
+        if token_id in seq.stop_token_ids:
+            finish_reason = FINISH_STOP
+            if token_id in seq.user_stop_token_ids:
+                stop_reason = token_id
+            text = scanner.flush()
+        else:
+            text = scanner.add(synthetic_text(seq_no))
+            if scanner.stop_string is not None:
+                finish_reason = FINISH_STOP
+                stop_reason = scanner.stop_string
+            elif num_output >= seq.max_output_tokens:
+                finish_reason = FINISH_LENGTH
+                text += scanner.flush()
+        if finish_reason is None:
+            outputs.append(TokenOutput(req.handle, seq_no, token_id, text))
+            return
+        outputs.append(
+            TokenOutput(
+                req.handle,
+                seq_no,
+                token_id,
+                text,
+                finish_reason,
+                stop_reason,
+                len(req.prompt_token_ids),
+                num_output,
+            )
+        )
+        del self._running[req.handle]
+        del self._by_handle[req.handle]
