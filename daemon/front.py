@@ -35,9 +35,10 @@ import zmq.asyncio
 from daemon import __version__
 from daemon.config import Config, load_config, parse_devices, runtime_dir
 from daemon.model import ModelInfo, load_tokenizer, resolve_model_dir
+from daemon.notify import Notifier, WatchdogGate
 from daemon.scheduler import Scheduler, SchedulerPolicy, WorkerBudget
 from daemon.supervisor import (
-    InstanceLock, StartupError, WorkerProcess, create_workers, release_workers, spawn, stop_process,
+    JOIN_GRACE_S, InstanceLock, StartupError, WorkerProcess, create_workers, release_workers, spawn, stop_process,
 )
 from daemon.validate import RequestRejected, Validator
 from ipc import protocol as P
@@ -53,6 +54,8 @@ CLIENT_SNDHWM = 100_000
 """Per-client queued messages before sends raise EAGAIN (then chunks coalesce)."""
 ABORT_GRACE_S = 2.0
 """At shutdown, how long aborted streams get to be confirmed by their worker."""
+TIMEOUT_MARGIN_S = 10.0
+"""Slack added to the start/stop times announced to systemd (EXTEND_TIMEOUT_USEC)."""
 LIVE_SETTINGS = (
     "max_concurrency", "queue_size", "priority_queue_limits", "queue_full_policy", "aging_rate", "preemption",
     "timeout_s", "queue_timeout_s", "client_timeout_s", "drain_timeout_s", "log_level",
@@ -145,6 +148,9 @@ class Front:
         self.lock: InstanceLock | None = None
         self.router: zmq.asyncio.Socket | None = None
         self.events: zmq.asyncio.Socket | None = None
+        self.notifier = Notifier()
+        self.watchdog_gate = WatchdogGate(self.notifier)
+        self.housekeeping_tick = time.monotonic()
 
     # ------------------------------------------------------------ start / stop
 
@@ -157,11 +163,17 @@ class Front:
         tasks = []
         try:
             self._setup()
-            tasks = [asyncio.create_task(coro) for coro in (self._client_loop(), self._event_loop(), self._housekeeping())]
+            self.notifier.status(f"starting: loading the model on {len(self.workers)} worker(s)")
+            self.notifier.extend_timeout(self.config.worker_start_timeout_s + TIMEOUT_MARGIN_S)
+            coros = [self._client_loop(), self._event_loop(), self._housekeeping()]
+            if self.notifier.watchdog_interval_s is not None:
+                coros.append(self._watchdog())
+            tasks = [asyncio.create_task(coro) for coro in coros]
             await self.stop_event.wait()
             await self._drain()
         except StartupError as exc:
             log.error("start failed: %s", exc)
+            self.notifier.status(f"start failed: {exc}")
             self.exit_code = 1
         finally:
             for task in tasks:
@@ -175,6 +187,9 @@ class Front:
         if not self.stop_event.is_set():
             log.info("stopping: draining running streams (up to %.0f s)", self.config.drain_timeout_s)
             self.exit_code = self.exit_code or exit_code
+            self.notifier.stopping(status=f"draining (up to {self.config.drain_timeout_s:.0f} s)")
+            self.notifier.extend_timeout(
+                self.config.drain_timeout_s + 2 * ABORT_GRACE_S + 2 * JOIN_GRACE_S + TIMEOUT_MARGIN_S)
             self.stop_event.set()
 
     def _setup(self) -> None:
@@ -245,7 +260,7 @@ class Front:
         try:
             for worker in self.workers:
                 if worker.process is not None and worker.process.is_alive():
-                    worker.send(P.Shutdown())
+                    worker.send(P.Shutdown())  # not connected: the deadline join handles it
             await asyncio.gather(*(asyncio.to_thread(stop_process, w) for w in self.workers))
         finally:
             release_workers(self.workers)
@@ -290,6 +305,7 @@ class Front:
         if self.state == "starting" and all(b.ready for b in self.scheduler.workers):
             self.state = "serving"
             log.info("ready: serving in %.1f s", time.monotonic() - self.started)
+            self.notifier.ready(status=f"serving on {len(self.workers)} worker(s)")
         self._dispatch()
 
     def _on_worker_exit(self, worker: WorkerProcess) -> None:
@@ -600,6 +616,7 @@ class Front:
         while True:
             await asyncio.sleep(HOUSEKEEPING_S)
             now = time.monotonic()
+            self.housekeeping_tick = now
             for identity, client in list(self.clients.items()):
                 silent = now - client.last_seen > timeout
                 stuck = client.blocked_since and now - client.blocked_since > timeout
@@ -609,6 +626,18 @@ class Front:
             if self.state == "starting" and now > start_deadline:
                 log.error("workers not ready after %.0f s", self.config.worker_start_timeout_s)
                 self.request_stop(exit_code=1)
+
+    async def _watchdog(self) -> None:
+        """Ping systemd's watchdog every half timeout while the front loop and every ready worker are healthy."""
+        interval = self.notifier.watchdog_interval_s
+        max_age = self.notifier.watchdog_timeout_s
+        while True:
+            now = time.monotonic()
+            beats = {w.index: w.last_heartbeat for w, b in zip(self.workers, self.scheduler.workers) if b.ready and w.alive}
+            if self.watchdog_gate.ping_if_healthy(now - self.housekeeping_tick < max_age, beats, now, max_age):
+                self.notifier.status(f"{self.state}: {self.scheduler.num_running} running, "
+                                     f"{self.scheduler.num_waiting} waiting, {self.counters['requests_total']} requests")
+            await asyncio.sleep(interval)
 
     # ------------------------------------------------------------ live settings
 
@@ -647,7 +676,21 @@ class Front:
         self._dispatch()
 
     def reload(self) -> None:
-        """SIGHUP: re-read the config file and apply its live settings; report the others."""
+        """SIGHUP: re-read the config file and apply its live settings; report the others.
+
+        systemd hears ``RELOADING=1`` ... ``READY=1`` around it, while serving only
+        (a READY during start would end the start early).
+        """
+        serving = self.state == "serving"
+        if serving:
+            self.notifier.reloading()
+        try:
+            self._reload()
+        finally:
+            if serving:
+                self.notifier.ready(status="serving (settings reloaded)")
+
+    def _reload(self) -> None:
         if self.config_path is None:
             log.warning("SIGHUP: no config file to reload")
             return

@@ -56,11 +56,23 @@ class Daemon:
     def segments(self) -> list[str]:
         return glob.glob(f"/dev/shm/ringstream-{self.instance}-*")
 
-    def worker_pids(self) -> list[int]:
+    def child_pids(self) -> list[int]:
+        """Every descendant: workers and multiprocessing's resource tracker."""
         try:
             return [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
         except psutil.NoSuchProcess:
             return []
+
+    def worker_pids(self) -> list[int]:
+        """The worker processes (spawned by multiprocessing), in start order."""
+        workers = []
+        for pid in self.child_pids():
+            try:
+                if "spawn_main" in " ".join(psutil.Process(pid).cmdline()):
+                    workers.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        return workers
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         """Signal the daemon and wait for it; returns its exit code."""
@@ -75,12 +87,15 @@ class Daemon:
 
 
 @contextlib.contextmanager
-def running_daemon(tmp_path: Path, *args: str, ready: bool = True):
-    """Run ``ringstream serve ARGS`` for the duration of the ``with`` block; yields a :class:`Daemon`."""
+def running_daemon(tmp_path: Path, *args: str, ready: bool = True, env: dict | None = None):
+    """Run ``ringstream serve ARGS`` for the duration of the ``with`` block; yields a :class:`Daemon`.
+
+    ``env``: extra environment variables for the daemon.
+    """
     instance = f"t{uuid.uuid4().hex[:10]}"
     address = f"ipc://{tmp_path}/{instance}.sock"
     log_path = tmp_path / f"{instance}.log"
-    env = dict(os.environ, XDG_RUNTIME_DIR=str(tmp_path))
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(tmp_path), **(env or {}))
     cmd = [sys.executable, "-m", "daemon.cli", "serve", "--instance", instance, "--socket", address, *args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -91,11 +106,11 @@ def running_daemon(tmp_path: Path, *args: str, ready: bool = True):
         if ready:
             with Client(address) as client:
                 client.wait_ready(READY_TIMEOUT_S)
-            children = daemon.worker_pids()
+            children = daemon.child_pids()
         yield daemon
         clean_exit = True
     finally:
-        children = children or daemon.worker_pids()
+        children = children or daemon.child_pids()
         if proc.poll() is None:
             daemon.stop()
         leftovers = daemon.segments()
