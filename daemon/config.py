@@ -71,6 +71,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """On SIGTERM, running streams get this long to finish before they end with ``shutdown``."""
     worker_start_timeout_s: float = 300.0
     """A worker that has not loaded its model and warmed up by then fails the start."""
+    worker_stall_timeout_s: float = 30.0
+    """A worker whose heartbeat is older than this (hung, SIGSTOPped) is killed and restarted."""
     worker_heartbeat_s: float = 1.0
     """Period of a worker's heartbeat (and of its front-liveness check) when idle."""
     ring_bytes: int = 4 * 1024 * 1024
@@ -102,7 +104,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.queue_timeout_s is not None and not self.queue_timeout_s > 0:
             raise ValueError(f"queue_timeout_s = {self.queue_timeout_s}: must be > 0 seconds")
         for name in ("client_timeout_s", "timeout_s", "drain_timeout_s", "worker_start_timeout_s",
-                     "worker_heartbeat_s"):
+                     "worker_heartbeat_s", "worker_stall_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} = {getattr(self, name)}: must be > 0 seconds")
         if self.ring_bytes < 4096 or self.ring_bytes & (self.ring_bytes - 1):

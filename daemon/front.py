@@ -52,6 +52,12 @@ RETRY_SEND_S = 0.002
 """Delay before retrying chunks that met a full client queue (EAGAIN)."""
 CLIENT_SNDHWM = 100_000
 """Per-client queued messages before sends raise EAGAIN (then chunks coalesce)."""
+MAX_RESUMES = 3
+"""A request whose worker died this many times ends with WORKER_FAILED instead of resuming again."""
+RESTART_BACKOFF_S = 0.5
+RESTART_BACKOFF_MAX_S = 30.0
+RESTART_WINDOW_S = 300.0
+"""Worker restarts wait RESTART_BACKOFF_S doubled per failure in the last RESTART_WINDOW_S, at most the max."""
 ABORT_GRACE_S = 2.0
 """At shutdown, how long aborted streams get to be confirmed by their worker."""
 TIMEOUT_MARGIN_S = 10.0
@@ -98,6 +104,7 @@ class Request:
     sched_token: int = 0
     preempted_from: int | None = None
     """Worker asked to drop this request for a preemption, until it confirms."""
+    worker_failures: int = 0
 
     @property
     def priority(self) -> int:
@@ -142,7 +149,8 @@ class Front:
         self.retry_scheduled = False
         self.workers: list[WorkerProcess] = []
         self.counters = dict(requests_total=0, tokens_generated_total=0, dropped_frames_total=0,
-                             invalid_requests_total=0, stale_records_total=0, preemptions_total=0)
+                             invalid_requests_total=0, stale_records_total=0, preemptions_total=0,
+                             worker_restarts_total=0)
         self.model: ModelInfo | None = None
         self.validator: Validator | None = None
         self.lock: InstanceLock | None = None
@@ -292,7 +300,8 @@ class Front:
                     self._on_worker_ready(ready)
                 case P.WorkerStartFailed(worker=index, message=message):
                     log.error("worker %d (%s) failed to start: %s", index, self.workers[index].device, message)
-                    self.request_stop(exit_code=1)
+                    if self.state == "starting":
+                        self.request_stop(exit_code=1)  # a restart that fails retries with backoff instead
 
     def _on_worker_ready(self, ready: P.WorkerReady) -> None:
         budget = self.scheduler.workers[ready.worker]
@@ -309,21 +318,49 @@ class Front:
         self._dispatch()
 
     def _on_worker_exit(self, worker: WorkerProcess) -> None:
+        """A worker process ended: take what it published, resume its requests elsewhere, restart it."""
         loop = asyncio.get_running_loop()
         loop.remove_reader(worker.process.sentinel)
         worker.alive = False
         self.scheduler.workers[worker.index].ready = False
-        if self.state in ("draining", "stopped") and not any(r.worker == worker.index for r in self.by_handle.values()):
-            return
         log.error("worker %d (pid %d) exited with code %s", worker.index, worker.pid, worker.process.exitcode)
         self._read_ring(worker)
         orphans = self.scheduler.clear_worker(worker.index)
         orphans += [r for r in self.by_handle.values() if r.preempted_from == worker.index]
         for req in orphans:
             req.preempted_from = None
-            self._end(req, P.Error(id=req.id, code=P.ErrorCode.WORKER_FAILED, message=f"worker {worker.index} exited"))
-        if not any(b.ready for b in self.scheduler.workers) or self.state == "starting":
+            req.worker_failures += 1
+            if req.abort_reason is not None:
+                self._finish(req, req.abort_reason)
+            elif req.worker_failures > MAX_RESUMES or self.state != "serving":
+                self._end(req, P.Error(id=req.id, code=P.ErrorCode.WORKER_FAILED,
+                                       message=f"worker {worker.index} exited {req.worker_failures} time(s) "
+                                               f"while running this request"))
+            else:
+                self.scheduler.requeue(req)  # resumes from prompt + tokens already streamed, on a live worker
+        if self.state == "starting":
             self.request_stop(exit_code=1)
+        elif self.state == "serving":
+            self._schedule_restart(worker)
+        self._dispatch()
+
+    def _schedule_restart(self, worker: WorkerProcess) -> None:
+        """Restart after ``RESTART_BACKOFF_S * 2**(recent failures)`` seconds, capped; counts restarts."""
+        now = time.monotonic()
+        worker.failures = [t for t in worker.failures if now - t < RESTART_WINDOW_S] + [now]
+        delay = min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** (len(worker.failures) - 1))
+        self.counters["worker_restarts_total"] += 1
+        log.warning("restarting worker %d in %.1f s (%d failure(s) in %.0f s)",
+                    worker.index, delay, len(worker.failures), RESTART_WINDOW_S)
+        asyncio.get_running_loop().call_later(delay, self._restart, worker)
+
+    def _restart(self, worker: WorkerProcess) -> None:
+        if self.state != "serving" or worker.alive:
+            return
+        worker.process.close()
+        spawn(worker)  # same ring and command socket; the new producer continues at write_pos
+        worker.ring.arm()
+        asyncio.get_running_loop().add_reader(worker.process.sentinel, self._on_worker_exit, worker)
 
     def _read_ring(self, worker: WorkerProcess) -> None:
         """Consume every published record of ``worker``'s ring, then re-arm its doorbell."""
@@ -623,6 +660,12 @@ class Front:
                 if silent or stuck:
                     log.info("client %s %s for %.1f s", identity.hex(), "silent" if silent else "not reading", timeout)
                     self._client_gone(identity)
+            for worker, budget in zip(self.workers, self.scheduler.workers):
+                if budget.ready and worker.alive and now - worker.last_heartbeat > self.config.worker_stall_timeout_s:
+                    log.error("worker %d sent no heartbeat for %.0f s; killing it",
+                              worker.index, now - worker.last_heartbeat)
+                    budget.ready = False
+                    worker.process.kill()  # its sentinel then runs the usual exit path
             if self.state == "starting" and now > start_deadline:
                 log.error("workers not ready after %.0f s", self.config.worker_start_timeout_s)
                 self.request_stop(exit_code=1)

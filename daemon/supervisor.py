@@ -71,6 +71,8 @@ class WorkerProcess:
     pid: int = 0
     alive: bool = False
     last_heartbeat: float = field(default_factory=time.monotonic)
+    failures: list[float] = field(default_factory=list)
+    """Monotonic times of recent unexpected exits (restart backoff)."""
 
     def send(self, command) -> bool:
         """Queue a command for the worker; never blocks (the command socket has no HWM).
