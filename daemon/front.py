@@ -34,6 +34,7 @@ import zmq.asyncio
 
 from daemon import __version__
 from daemon.config import Config, load_config, parse_devices, runtime_dir
+from daemon.metrics import Metrics
 from daemon.model import ModelInfo, load_tokenizer, resolve_model_dir
 from daemon.notify import Notifier, WatchdogGate
 from daemon.scheduler import Scheduler, SchedulerPolicy, WorkerBudget
@@ -105,6 +106,7 @@ class Request:
     preempted_from: int | None = None
     """Worker asked to drop this request for a preemption, until it confirms."""
     worker_failures: int = 0
+    last_token: float = 0.0
 
     @property
     def priority(self) -> int:
@@ -156,6 +158,7 @@ class Front:
         self.lock: InstanceLock | None = None
         self.router: zmq.asyncio.Socket | None = None
         self.events: zmq.asyncio.Socket | None = None
+        self.metrics = Metrics()
         self.notifier = Notifier()
         self.watchdog_gate = WatchdogGate(self.notifier)
         self.housekeeping_tick = time.monotonic()
@@ -211,6 +214,11 @@ class Front:
         except Exception as exc:
             raise StartupError(str(exc)) from exc
         devices = parse_devices(config.devices)
+        if config.metrics_port is not None:
+            try:
+                self.metrics.serve(config.metrics_port)
+            except OSError as exc:
+                raise StartupError(f"metrics port {config.metrics_port}: {exc}") from exc
         self.events = self.ctx.socket(zmq.PULL)
         event_address = f"ipc://{rundir / f'{config.instance}.events'}"
         self.events.bind(event_address)
@@ -278,6 +286,7 @@ class Front:
             self.ctx.term()
             if self.lock is not None:
                 self.lock.release()
+            self.metrics.close()
         log.info("stopped")
 
     # ------------------------------------------------------------ workers
@@ -308,6 +317,7 @@ class Front:
         budget.max_num_seqs = ready.max_num_seqs
         budget.max_model_len = ready.max_model_len
         budget.kv_cache_tokens = ready.kv_cache_tokens
+        budget.kv_cache_bytes = ready.kv_cache_bytes
         budget.ready = True
         self.workers[ready.worker].last_heartbeat = time.monotonic()
         log.info("worker %d ready on %s (pid %d, %d slots)", ready.worker, ready.device, ready.pid, ready.max_num_seqs)
@@ -350,6 +360,7 @@ class Front:
         worker.failures = [t for t in worker.failures if now - t < RESTART_WINDOW_S] + [now]
         delay = min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** (len(worker.failures) - 1))
         self.counters["worker_restarts_total"] += 1
+        self.metrics.worker_restarts.inc()
         log.warning("restarting worker %d in %.1f s (%d failure(s) in %.0f s)",
                     worker.index, delay, len(worker.failures), RESTART_WINDOW_S)
         asyncio.get_running_loop().call_later(delay, self._restart, worker)
@@ -366,6 +377,7 @@ class Front:
         """Consume every published record of ``worker``'s ring, then re-arm its doorbell."""
         ring = worker.ring
         ring.disarm()
+        self.read_time = time.monotonic()
         touched: dict[int, Request] = {}
         while True:
             records = ring.read()
@@ -373,6 +385,7 @@ class Front:
                 req = self.by_handle.get(rec.handle)
                 if req is None:
                     self.counters["stale_records_total"] += 1
+                    self.metrics.dropped.labels("stale_record").inc()
                     continue
                 if rec.kind == KIND_TOKEN:
                     self._on_token(req, rec)
@@ -409,14 +422,20 @@ class Front:
             log.error("request %s: token seq %d, expected %d; ending it", req.id, rec.seq, req.next_token_seq)
             self._abort(req, P.FinishReason.ERROR)
             return
+        now = self.read_time
         if not req.first_token:
-            req.first_token = time.monotonic()
+            req.first_token = now
+            self.metrics.ttft.observe(now - req.arrival)
+        else:
+            self.metrics.itl.observe(now - req.last_token)
+        req.last_token = now
         req.next_token_seq += 1
         req.output_token_ids.append(rec.token_id)
         req.pending_ids.append(rec.token_id)
         if rec.payload:
             req.pending_text.append(rec.payload.decode())
         self.counters["tokens_generated_total"] += 1
+        self.metrics.generation_tokens.inc()
 
     # ------------------------------------------------------------ clients
 
@@ -433,6 +452,7 @@ class Front:
             client.last_seen = now
         if len(frames) != 2:
             self.counters["dropped_frames_total"] += 1
+            self.metrics.dropped.labels("frame_count").inc()
             self._reply(identity, P.Error(id=None, code=P.ErrorCode.INVALID_REQUEST,
                                           message=f"expected 1 message frame, got {len(frames) - 1}"))
             return
@@ -440,6 +460,7 @@ class Front:
             msg = P.CLIENT_DECODER.decode(frames[1])
         except msgspec.DecodeError as exc:
             self.counters["invalid_requests_total"] += 1
+            self.metrics.dropped.labels("invalid").inc()
             rid = _guess_id(frames[1])
             if client is not None and rid in client.requests:
                 rid = None  # never end a live stream because of another, broken frame
@@ -465,6 +486,7 @@ class Front:
         client = self.clients.get(identity)
         if client is not None and msg.id in client.requests:
             self.counters["invalid_requests_total"] += 1
+            self.metrics.dropped.labels("invalid").inc()
             self._reply(identity, P.Error(id=None, code=P.ErrorCode.INVALID_REQUEST,
                                           message=f"duplicate request id {msg.id!r}: it is still open"))
             return
@@ -475,6 +497,7 @@ class Front:
             prompt_ids = self.validator.check(msg, self.scheduler.max_request_tokens())
         except RequestRejected as exc:
             self.counters["invalid_requests_total"] += 1
+            self.metrics.dropped.labels("invalid").inc()
             self._reply(identity, P.Error(id=msg.id, code=exc.code, message=str(exc)))
             return
         req = Request(identity, msg.id, next(self.handles), msg, prompt_ids, now)
@@ -491,6 +514,7 @@ class Front:
         client.requests[msg.id] = req
         self.by_handle[req.handle] = req
         self.counters["requests_total"] += 1
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
         self._start_timers(req)
         self._dispatch()
 
@@ -521,6 +545,7 @@ class Front:
             victim, index = preempted
             victim.preempted_from = index
             self.counters["preemptions_total"] += 1
+            self.metrics.preemptions.inc()
             log.info("request %s (priority %d) preempted on worker %d after %d tokens",
                      victim.id, victim.priority, index, len(victim.output_token_ids))
             self.workers[index].send(P.Abort(handle=victim.handle))
@@ -528,6 +553,7 @@ class Front:
     def _assign(self, req: Request, index: int, now: float) -> None:
         if not req.dispatched:
             req.dispatched = now
+            self.metrics.queue_time.observe(now - req.arrival)
             if req.queue_timer is not None:
                 req.queue_timer.cancel()
         msg = req.msg
@@ -562,6 +588,8 @@ class Front:
         if req.final is not None:
             return
         req.final = final
+        self.metrics.requests.labels(final.code if isinstance(final, P.Error) else final.finish_reason).inc()
+        self.metrics.e2e.observe(time.monotonic() - req.arrival)
         for timer in req.timers:
             timer.cancel()
         if req.queue_timer is not None:
@@ -654,6 +682,7 @@ class Front:
             await asyncio.sleep(HOUSEKEEPING_S)
             now = time.monotonic()
             self.housekeeping_tick = now
+            self._update_gauges()
             for identity, client in list(self.clients.items()):
                 silent = now - client.last_seen > timeout
                 stuck = client.blocked_since and now - client.blocked_since > timeout
@@ -669,6 +698,19 @@ class Front:
             if self.state == "starting" and now > start_deadline:
                 log.error("workers not ready after %.0f s", self.config.worker_start_timeout_s)
                 self.request_stop(exit_code=1)
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.running.set(self.scheduler.num_running)
+        m.waiting.clear()
+        for priority, count in self.scheduler.waiting_by_priority().items():
+            m.waiting.labels(str(priority)).set(count)
+        for worker, budget in zip(self.workers, self.scheduler.workers):
+            label = str(worker.index)
+            m.kv_cache_usage.labels(label).set(budget.kv_tokens_used / max(budget.kv_cache_tokens, 1))
+            m.kv_cache_bytes.labels(label).set(budget.kv_cache_bytes)
+            m.ring_fill.labels(label).set(worker.ring.fill())
+            m.worker_up.labels(label, worker.device).set(1 if budget.ready and worker.alive else 0)
 
     async def _watchdog(self) -> None:
         """Ping systemd's watchdog every half timeout while the front loop and every ready worker are healthy."""
@@ -774,6 +816,7 @@ class Front:
             tokens_generated_total=self.counters["tokens_generated_total"], workers=workers,
             settings={name: getattr(self.config, name) for name in LIVE_SETTINGS if getattr(self.config, name) is not None},
             counters=dict(self.counters),
+            metrics=self.metrics.snapshot(),
         )
 
 

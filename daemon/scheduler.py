@@ -66,6 +66,7 @@ class WorkerBudget:
     max_num_seqs: int = 0
     max_model_len: int = 0
     kv_cache_tokens: int = 0
+    kv_cache_bytes: int = 0
     running: int = 0
     kv_tokens_used: int = 0
     ready: bool = False

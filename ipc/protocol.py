@@ -230,6 +230,8 @@ class StatusReply(Struct, tag="status_reply", **_WIRE):
     workers: list[WorkerStatus]
     settings: dict[str, AdminValue] = {}
     counters: dict[str, int] = {}
+    metrics: dict[str, float] = {}
+    """Every Prometheus sample of the daemon, ``{"name{label=value}": value}`` (no histogram buckets)."""
 
 
 ServerMessage = Union[Chunk, Error, HeartbeatAck, StatusReply]

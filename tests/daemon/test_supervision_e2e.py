@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import time
+import urllib.request
 
 import pytest
 
@@ -21,10 +23,28 @@ def daemon(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sup")
     config = tmp / "ringstream.toml"
     config.write_text("worker_stall_timeout_s = 3.0\n")
-    with running_daemon(tmp, "--devices", "cpu,cpu", "--config", str(config)) as d:
+    port = _free_port()
+    with running_daemon(tmp, "--devices", "cpu,cpu", "--config", str(config), "--metrics-port", str(port)) as d:
+        d.metrics_url = f"http://127.0.0.1:{port}/metrics"
         with Client(d.address) as client:
             d.alone = {p: client.complete(p, **PARAMS).token_ids for p in PROMPTS}
         yield d
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """Prometheus text exposition -> {"name{labels}": value} (labels without quotes, as in status --json)."""
+    samples = {}
+    for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            samples[key.replace('"', "")] = float(value)
+    return samples
 
 
 def _busy_worker_pid(daemon) -> int:
@@ -81,7 +101,34 @@ def test_sigkill_a_busy_worker_ten_times(daemon):
     assert outcomes.count("length") >= len(outcomes) // 2, outcomes
     with Client(daemon.address) as client:
         assert client.complete("Return the", **PARAMS).token_ids == daemon.alone["Return the"]
-        assert client.status().counters["worker_restarts_total"] - before == 10
+        status = client.status()
+        assert status.counters["worker_restarts_total"] - before == 10
+    scraped = _scrape(daemon.metrics_url)
+    assert scraped["ringstream_worker_restarts_total"] == status.metrics["ringstream_worker_restarts_total"] >= 10
+
+
+def test_metrics_exporter_and_status_show_the_same_figures(daemon):
+    with Client(daemon.address) as client:
+        before = _scrape(daemon.metrics_url)
+        for prompt in PROMPTS:
+            client.complete(prompt, max_tokens=5, temperature=0.0)
+        try:
+            client.complete("x", max_tokens=10**6)
+        except Exception:
+            pass
+        time.sleep(0.6)  # gauges refresh every housekeeping tick
+        status = client.status()
+    after = _scrape(daemon.metrics_url)
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert delta["ringstream_requests_total{status=length}"] == len(PROMPTS)
+    assert delta["ringstream_generation_tokens_total"] == 5 * len(PROMPTS)
+    assert delta["ringstream_time_to_first_token_seconds_count"] == len(PROMPTS)
+    assert delta["ringstream_inter_token_latency_seconds_count"] == 4 * len(PROMPTS)
+    assert delta["ringstream_dropped_messages_total{reason=invalid}"] == 1
+    for key in ("ringstream_kv_cache_usage_ratio{worker=0}", "ringstream_ring_fill_ratio{worker=1}",
+                "ringstream_worker_up{device=cpu,worker=0}", "ringstream_requests_running"):
+        assert key in after and key in status.metrics
+    assert status.metrics["ringstream_generation_tokens_total"] == after["ringstream_generation_tokens_total"]
 
 
 def test_a_stopped_worker_counts_as_dead_and_its_streams_resume(daemon):

@@ -1,0 +1,72 @@
+"""Prometheus metrics of the front, and their exporter on loopback.
+
+Names follow Prometheus conventions: ``ringstream_`` prefix, base units
+(``_seconds``, ``_bytes``), counters end in ``_total``. The front updates
+them from its event loop; ``prometheus_client``'s exporter thread only reads.
+:meth:`Metrics.snapshot` flattens every sample into a dict, which
+``ringstream status --json`` carries, so both show the same figures.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+"""Histogram buckets for TTFT, E2E and queue time, seconds."""
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+"""Histogram buckets for inter-token latency, seconds."""
+EXPORTER_HOST = "127.0.0.1"
+
+
+class Metrics:
+    """Every metric the front exports, in a private registry."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("ringstream_requests", "Requests by final status (finish_reason or error code)",
+                                ["status"], registry=r)
+        self.running = Gauge("ringstream_requests_running", "Requests running on a worker", registry=r)
+        self.waiting = Gauge("ringstream_requests_waiting", "Requests waiting, by priority", ["priority"], registry=r)
+        self.ttft = Histogram("ringstream_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=LATENCY_BUCKETS_S, registry=r)
+        self.itl = Histogram("ringstream_inter_token_latency_seconds", "Gap between tokens of a stream",
+                             buckets=ITL_BUCKETS_S, registry=r)
+        self.e2e = Histogram("ringstream_e2e_request_latency_seconds", "Arrival to terminal message",
+                             buckets=LATENCY_BUCKETS_S, registry=r)
+        self.queue_time = Histogram("ringstream_queue_time_seconds", "Arrival to first dispatch to a worker",
+                                    buckets=LATENCY_BUCKETS_S, registry=r)
+        self.prompt_tokens = Counter("ringstream_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("ringstream_generation_tokens", "Tokens generated and streamed", registry=r)
+        self.kv_cache_usage = Gauge("ringstream_kv_cache_usage_ratio", "KV-cache tokens in use / budget",
+                                    ["worker"], registry=r)
+        self.kv_cache_bytes = Gauge("ringstream_kv_cache_bytes", "KV-cache allocation", ["worker"], registry=r)
+        self.ring_fill = Gauge("ringstream_ring_fill_ratio", "Unread bytes / ring capacity", ["worker"], registry=r)
+        self.worker_up = Gauge("ringstream_worker_up", "1 if the worker is ready", ["worker", "device"], registry=r)
+        self.worker_restarts = Counter("ringstream_worker_restarts", "Unexpected worker exits restarted",
+                                       registry=r)
+        self.preemptions = Counter("ringstream_preemptions", "Running requests preempted for more urgent ones",
+                                   registry=r)
+        self.dropped = Counter("ringstream_dropped_messages", "Messages dropped or refused, by reason",
+                               ["reason"], registry=r)
+        self._server = None
+
+    def serve(self, port: int) -> None:
+        """Start the HTTP exporter on 127.0.0.1:``port`` (a daemon thread). Raises OSError if the port is taken."""
+        self._server, _ = start_http_server(port, addr=EXPORTER_HOST, registry=self.registry)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def snapshot(self) -> dict[str, float]:
+        """Every current sample as ``{"name{label=value,...}": value}`` (histogram buckets omitted)."""
+        out = {}
+        for family in self.registry.collect():
+            for sample in family.samples:
+                if sample.name.endswith(("_bucket", "_created")):
+                    continue
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                out[f"{sample.name}{{{labels}}}" if labels else sample.name] = float(sample.value)
+        return out
