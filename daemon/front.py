@@ -588,8 +588,14 @@ class Front:
         if req.final is not None:
             return
         req.final = final
-        self.metrics.requests.labels(final.code if isinstance(final, P.Error) else final.finish_reason).inc()
-        self.metrics.e2e.observe(time.monotonic() - req.arrival)
+        status = final.code if isinstance(final, P.Error) else final.finish_reason
+        e2e = time.monotonic() - req.arrival
+        self.metrics.requests.labels(status).inc()
+        self.metrics.e2e.observe(e2e)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s/%s %s: prompt=%d completion=%d ttft=%.3fs e2e=%.3fs priority=%d",
+                      req.client.hex(), req.id, status, req.num_prompt_tokens, len(req.output_token_ids),
+                      (req.first_token - req.arrival) if req.first_token else 0.0, e2e, req.priority)
         for timer in req.timers:
             timer.cancel()
         if req.queue_timer is not None:

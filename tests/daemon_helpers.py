@@ -92,7 +92,7 @@ def running_daemon(tmp_path: Path, *args: str, ready: bool = True, env: dict | N
 
     ``env``: extra environment variables for the daemon.
     """
-    instance = f"t{uuid.uuid4().hex[:10]}"
+    instance = args[list(args).index("--instance") + 1] if "--instance" in args else f"t{uuid.uuid4().hex[:10]}"
     address = f"ipc://{tmp_path}/{instance}.sock"
     log_path = tmp_path / f"{instance}.log"
     env = dict(os.environ, XDG_RUNTIME_DIR=str(tmp_path), **(env or {}))
@@ -113,7 +113,7 @@ def running_daemon(tmp_path: Path, *args: str, ready: bool = True, env: dict | N
         children = children or daemon.child_pids()
         if proc.poll() is None:
             daemon.stop()
-        leftovers = daemon.segments()
+        leftovers = [] if not ready else daemon.segments()
         for path in leftovers:
             os.unlink(path)
         alive = [pid for pid in wait_exit(children, CHILD_EXIT_S)]
