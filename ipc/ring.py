@@ -214,7 +214,8 @@ class RingExistsError(RingError):
 
 
 class Record(NamedTuple):
-    """One record as returned by :meth:`RingConsumer.read`.
+    """One record as returned by :meth:`RingConsumer.read` (and by
+    :meth:`RingObserver.tail` and :meth:`RingObserver.follow`).
 
     ``kind`` is one of :data:`KIND_TOKEN`, :data:`KIND_FINISH` or
     :data:`KIND_ERROR`; ``flags`` is a u16, ``handle`` a u64, ``seq`` and
@@ -1191,9 +1192,8 @@ class RingObserver(_Mapped):
         Returns the records, the position where the walk stopped (after the
         last record or PAD it passed, or at an invalid header), and the
         position of an invalid header that stopped the walk (None if none
-        did).  The copies are trustworthy
-        only if ``position`` is still at or after the horizon once they are
-        made (see :meth:`follow`).
+        did).  The copies are trustworthy only if ``position`` is still at
+        or after the horizon once they are made (see :meth:`follow`).
         """
         capacity = self._capacity
         mask = self._mask

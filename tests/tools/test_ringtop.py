@@ -56,7 +56,7 @@ STREAM_PROMPT = "The socket module"
 STREAM_JOIN_S = 60.0
 LONG_STREAM_TOKENS = 400
 """Long enough to outlast the sample; the stream is cancelled after it."""
-KILL_STREAM_TOKENS = 160
+KILL_STREAM_TOKENS = 64
 
 # Records written by populate(); the first CONSUMED are read and committed
 # before ringtop starts, so it never sees them.
@@ -482,7 +482,7 @@ def test_reports_a_running_daemon(daemon) -> None:
     assert [os.path.join(SHM_DIR, name) for name in names] == sorted(daemon.segments())
     stop = threading.Event()
     with streaming(daemon.address, LONG_STREAM_TOKENS, stop) as (started, results):
-        started.wait(STREAM_JOIN_S)
+        assert started.wait(STREAM_JOIN_S)
         result = run_cli("--instance", daemon.instance, "--once", "--json", "--interval", "0.5")
         streamed_throughout = not results
         stop.set()
@@ -497,19 +497,24 @@ def test_reports_a_running_daemon(daemon) -> None:
     if streamed_throughout:
         assert ring["records_seen"] > 0
         assert ring["bytes_per_s"] > 0
+        assert ring["in_flight"] or ring["finish_reasons"], "the stream's request is not shown"
     [chunks] = results
     assert not isinstance(chunks, Exception), chunks
 
 
 def test_sigkill_of_ringtop_leaves_the_daemon_serving(daemon) -> None:
-    with streaming(daemon.address, KILL_STREAM_TOKENS) as (started, results):
-        started.wait(STREAM_JOIN_S)
-        with live_ringtop(daemon.instance) as (proc, output):
-            wait_until(
-                lambda: f"{daemon.proc.pid} (alive)" in output.text() or proc.poll() is not None,
-                LIVE_WAIT_S, "the live table",
-            )
+    """ringtop is killed while it follows the ring, as the first chunk of a
+    stream arrives: the stream still completes and the daemon serves the
+    next request."""
+    with live_ringtop(daemon.instance) as (proc, output):
+        wait_until(
+            lambda: f"{daemon.proc.pid} (alive)" in output.text() or proc.poll() is not None,
+            LIVE_WAIT_S, "the live table",
+        )
+        with streaming(daemon.address, KILL_STREAM_TOKENS) as (started, results):
+            assert started.wait(STREAM_JOIN_S)
             assert proc.poll() is None, output.text()
+            assert not results, "the stream ended before ringtop was killed"
             proc.send_signal(signal.SIGKILL)
             assert proc.wait(LIVE_EXIT_S) == -signal.SIGKILL
     [chunks] = results
@@ -517,6 +522,9 @@ def test_sigkill_of_ringtop_leaves_the_daemon_serving(daemon) -> None:
     assert chunks[-1].finish_reason == P.FinishReason.LENGTH
     assert sum(len(chunk.token_ids) for chunk in chunks) == KILL_STREAM_TOKENS
     assert daemon.proc.poll() is None
+    assert sorted(daemon.segments()) == [
+        os.path.join(SHM_DIR, name) for _index, name in ringtop.discover(daemon.instance)
+    ]
     with Client(daemon.address) as client:
         completion = client.complete(STREAM_PROMPT, max_tokens=STREAM_TOKENS, temperature=0,
                                      ignore_eos=True)
