@@ -16,10 +16,7 @@ from pathlib import Path
 
 import torch
 
-BOS_TOKEN = "<s>"
-EOS_TOKEN = "</s>"
-PAD_TOKEN = "<pad>"
-SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
+from tools.make_model import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, save_tokenizer, train_tokenizer
 
 TINY_VOCAB_SIZE = 512
 TINY_HIDDEN_SIZE = 64
@@ -60,29 +57,10 @@ def _training_corpus() -> list[str]:
 def make_tokenizer(vocab_size: int = TINY_VOCAB_SIZE):
     """Train a small byte-level BPE ``tokenizers.Tokenizer`` in about a second.
 
-    Special tokens ``<s>`` (id 0), ``</s>`` (id 1) and ``<pad>`` (id 2) come first;
-    the post-processor prepends ``<s>`` to every encoded sequence, as Llama
-    tokenizers do.
+    The same recipe as the default model's (:func:`tools.make_model.train_tokenizer`):
+    ``<s>`` (id 0), ``</s>`` (id 1), ``<pad>`` (id 2); the post-processor prepends ``<s>``.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(_training_corpus(), trainer=trainer)
-    bos_id = tokenizer.token_to_id(BOS_TOKEN)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN} $A",
-        pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
-        special_tokens=[(BOS_TOKEN, bos_id)],
-    )
-    return tokenizer
+    return train_tokenizer(_training_corpus(), vocab_size)
 
 
 def make_tiny_model_dir(path: str | Path, seed: int = 0) -> Path:
@@ -124,16 +102,7 @@ def make_tiny_model_dir(path: str | Path, seed: int = 0) -> Path:
     model.save_pretrained(out)
     GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id).save_pretrained(out)
 
-    tokenizer.save(str(out / "tokenizer.json"))
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS_TOKEN,
-        "eos_token": EOS_TOKEN,
-        "pad_token": PAD_TOKEN,
-        "model_max_length": TINY_MAX_POSITION_EMBEDDINGS,
-        "clean_up_tokenization_spaces": False,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    save_tokenizer(tokenizer, out)
     return out
 
 

@@ -70,6 +70,8 @@ def naive_keep_set(row: torch.Tensor, top_k: int, top_p: float) -> set[int]:
     """Reference: HF TopKLogitsWarper then TopPLogitsWarper semantics, written plainly."""
     order = sorted(range(len(row)), key=lambda i: -row[i].item())
     kept = order[:top_k] if top_k else order
+    if top_p >= 1.0:
+        return set(kept)  # top_p = 1 switches the filter off (float sums of the tail may stop short of 1)
     probs = torch.softmax(row[kept], dim=0).tolist()
     result, mass = [], 0.0
     for token, prob in zip(kept, probs):
