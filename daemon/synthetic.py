@@ -192,13 +192,16 @@ class SyntheticEngine(BaseEngine):
 
     @property
     def num_running(self) -> int:
+        """Requests holding a slot."""
         return len(self._running)
 
     @property
     def num_waiting(self) -> int:
+        """Requests queued for admission."""
         return len(self._waiting)
 
     def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
         return bool(self._running or self._waiting)
 
     def add(self, req: EngineRequest) -> None:

@@ -6,8 +6,10 @@ import time
 
 import pytest
 
-from daemon.engine import BaseEngine, CapacityError, EngineError, EngineRequest, SamplingParams
+from daemon.engine import BaseEngine, CapacityError, Engine, EngineError, EngineRequest, SamplingParams
 from daemon.synthetic import SyntheticEngine, synthetic_text, synthetic_token_id
+from tests.daemon_helpers import running_daemon
+from tests.factories import load_model, load_tokenizer, make_tiny_model_dir
 
 VOCAB = 4096
 EOS = 1
@@ -221,3 +223,59 @@ def test_steps_with_work_are_paced_and_idle_steps_return_at_once():
 
 def test_synthetic_text_format():
     assert synthetic_text(0) == " t0" and synthetic_text(123) == " t123"
+
+
+def scripted(eng: BaseEngine) -> list:
+    """A fixed scenario of adds, an abort and a capacity overflow; per step, what each request got."""
+    def req(handle: int, max_tokens: int) -> EngineRequest:
+        return EngineRequest(handle, [5, 6, 7, 8][: 2 + handle % 3], SamplingParams(max_tokens=max_tokens,
+                                                                                   temperature=0.0, ignore_eos=True))
+
+    plan = {0: [(1, 3), (2, 5), (3, 2)], 1: [(4, 4)], 2: [(5, 1)], 4: [(6, 3), (7, 2)]}
+    trace = []
+    for step in range(12):
+        for handle, max_tokens in plan.get(step, []):
+            try:
+                eng.add(req(handle, max_tokens))
+            except CapacityError:
+                trace.append(("full", handle))
+        if step == 3:
+            trace.append(("abort", eng.abort(2), eng.abort(99)))
+        outputs = eng.step()
+        trace.append(sorted((o.handle, o.seq, o.finish_reason) for o in outputs))
+        trace.append((eng.num_running, eng.num_waiting))
+    return trace
+
+
+def test_same_batching_semantics_as_engine(tmp_path):
+    """Step by step, the synthetic engine emits for the same requests and seqs as ``Engine`` on a real model."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model_dir = make_tiny_model_dir(tmp_path / "tiny")
+        model = load_model(model_dir)
+        engine = Engine(model, load_tokenizer(model_dir), max_num_seqs=3)
+        synthetic = SyntheticEngine(max_num_seqs=3, step_time_s=0.0, vocab_size=model.config.vocab_size)
+        assert scripted(synthetic) == scripted(engine)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_daemon_streams_synthetic_tokens(tmp_path):
+    """End to end through a daemon started with ``--engine synthetic``."""
+    from ipc.client import Client
+    from tools.bench_serving import synthetic_engine_support
+
+    reason = synthetic_engine_support()
+    if reason is not None:
+        pytest.skip(reason)
+    with running_daemon(tmp_path, "--engine", "synthetic", "--synthetic-step-ms", "0.5", "--devices", "cpu") as d:
+        with Client(d.address) as client:
+            chunks = list(client.generate(prompt_token_ids=[5, 6, 7], max_tokens=6, ignore_eos=True))
+            stopped = client.complete("Return the", max_tokens=50, ignore_eos=True, stop=[" t4"])
+    assert "".join(c.text for c in chunks) == " t0 t1 t2 t3 t4 t5"
+    assert len([t for c in chunks for t in c.token_ids]) == 6 and chunks[-1].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 6
+    assert (stopped.text, stopped.finish_reason, stopped.stop_reason) == (" t0 t1 t2 t3", "stop", " t4")

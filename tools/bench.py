@@ -1,0 +1,800 @@
+"""``ringstream-bench``: load-test a daemon, and compare it with baselines on one workload.
+
+``ringstream-bench run --socket ADDR ...`` drives a running daemon with the
+load generator of :mod:`tools.loadgen` (closed loop with ``--concurrency``
+streams, or open loop with Poisson arrivals at ``--rate``) and reports
+requests/s, output tokens/s, TTFT / ITL / E2E percentiles, errors by code and
+order violations, as a table, JSON (``--json``) and plots (``--plot``); it
+exits with status 1 if any stream broke chunk order.
+
+``ringstream-bench compare`` runs, in one process tree, on the same model and
+the same closed-loop workload (by default the built-in model, 64 concurrent
+streams, 64-token prompts, 32 new tokens, greedy):
+
+* the baselines of :mod:`tools.baselines` (``ceiling``, ``engine``,
+  ``naive``, ``seed``, ``hf-cb``);
+* ``daemon``: a real ``ringstream serve`` child process driven through its
+  socket by the load generator, and its CPU use while idle;
+* the serving layer alone: a daemon with ``--engine synthetic`` (fixed step
+  time, no model), the raw ZeroMQ DEALER -> ROUTER message rate between two
+  processes, and the load generator's own ceiling against a stub daemon;
+
+and prints every figure and the ratios between them; it exits with status 1
+if any part failed (a skipped synthetic part is not a failure). Throughputs
+are the best of ``--repeats`` runs (the host may be shared: the best run is
+the one least disturbed), latencies come from that run. Every part runs with
+the same number of torch threads (``--threads``; the daemon's worker gets it
+through its config file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from tools.bench_stats import RequestRecord, cdf, itl_samples, summarize, timeline
+from tools.loadgen import Dist, LoadConfig, WorkloadError, WorkloadSpec, parse_priority_mix, run_load
+
+PROG = "ringstream-bench"
+IN_PROCESS_SYSTEMS = ("ceiling", "engine", "hf-cb", "seed", "naive")
+"""Baselines run in the benchmark's own process (:mod:`tools.baselines`), in this order."""
+SYSTEMS = (*IN_PROCESS_SYSTEMS, "daemon")
+"""Systems of the comparison, in the order they run."""
+SETTLE_S = 0.5
+"""Pause after a daemon reports ready before its idle CPU is sampled (start-up work winding down)."""
+RATIO_LABELS = {
+    "engine_over_ceiling": "engine / ceiling (tok/s)",
+    "daemon_over_engine": "daemon / engine (tok/s)",
+    "daemon_over_naive": "daemon / naive (tok/s)",
+    "daemon_over_seed": "daemon / seed (tok/s)",
+    "daemon_over_hf_cb": "daemon / hf-cb (tok/s)",
+    "daemon_over_ceiling": "daemon / ceiling (tok/s)",
+    "naive_p99_ttft_over_daemon": "naive / daemon (P99 TTFT)",
+    "seed_p99_ttft_over_daemon": "seed / daemon (P99 TTFT)",
+    "hf_cb_p99_ttft_over_daemon": "hf-cb / daemon (P99 TTFT)",
+    "daemon_p99_ttft_over_engine": "daemon / engine (P99 TTFT)",
+    "synthetic_tok_s_over_zmq_msg_s": "synthetic tok/s / zmq msg/s",
+    "synthetic_tok_s_over_loadgen_ceiling": "synthetic tok/s / load generator ceiling tok/s",
+    "synthetic_tok_s_over_daemon": "synthetic / daemon (tok/s)",
+}
+"""Row labels of the ratios table, by ratio key (``ratio_<key>`` in the JSON report)."""
+CONSOLE_WIDTH = 150
+"""Width of the tables when the output is not a terminal (a file or a pipe)."""
+ERROR_CELL_CHARS = 40
+"""Characters of a failure or skip reason shown in the table (the JSON has it whole)."""
+PLOT_DPI = 120
+PLOT_GRID_ALPHA = 0.3
+PLOT_SIZE_IN = (12, 8)
+REQUIRED_KEYS = (
+    "ceiling_tok_s", "engine_tok_s", "daemon_tok_s", "naive_tok_s", "seed_tok_s", "hf_cb_tok_s",
+    "naive_p99_ttft_s", "daemon_p99_ttft_s", "synthetic_req_s", "synthetic_p99_ttft_s",
+    "synthetic_order_violations", "zmq_msg_s", "synthetic_tok_s", "idle_cpu_percent",
+)
+"""Keys every ``compare`` JSON report has (None when the part could not run)."""
+
+
+class PlotUnavailable(RuntimeError):
+    """``--plot`` was asked for but matplotlib is not installed."""
+
+
+@dataclass(frozen=True)
+class CompareSettings:
+    """Sizes of one ``compare`` run; see :data:`PRESETS`.
+
+    Attributes:
+        concurrency, prompt_len, max_tokens: the workload (every system).
+        requests: requests per run of engine, hf-cb and daemon.
+        naive_requests, seed_requests: requests of the thread-per-request
+            baselines (slow: one ``generate()`` per request).
+        naive_time_limit_s: the naive and seed runs start no request after this.
+        repeats: runs of each throughput measurement (the best is reported);
+            naive and seed run once.
+        seed_pool: threads of the ``seed`` baseline (0: one per logical core;
+            on 2 cores, pools of 1 and 2 threads served 64 streams at
+            310-330 tok/s, pools of 4 and 8 at 240-330 tok/s with more CPU per token).
+        synthetic_requests: requests per synthetic-daemon run.
+        synthetic_step_ms: the synthetic engine's step time.
+        zmq_messages: messages of the ZeroMQ ceiling.
+        loadgen_requests: requests of the load generator's own ceiling.
+        idle_s: idle CPU sampling time.
+        threads: torch intra-op threads for every part (0: half the cores, at least 1).
+        model: model directory (None: the built-in model).
+    """
+
+    concurrency: int = 64
+    prompt_len: int = 64
+    max_tokens: int = 32
+    requests: int = 512
+    naive_requests: int = 128
+    seed_requests: int = 128
+    naive_time_limit_s: float = 120.0
+    repeats: int = 3
+    seed_pool: int = 0
+    synthetic_requests: int = 10_000
+    synthetic_step_ms: float = 1.0
+    zmq_messages: int = 1_000_000
+    loadgen_requests: int = 2_000
+    idle_s: float = 3.0
+    threads: int = 0
+    model: str | None = None
+
+    def seed_threads(self) -> int:
+        """Threads of the seed baseline in force."""
+        return self.seed_pool or os.cpu_count() or 1
+
+    def torch_threads(self) -> int:
+        """Threads in force: ``threads``, else half the host's cores (the other half serves front and client)."""
+        return self.threads or max(1, (os.cpu_count() or 1) // 2)
+
+
+PRESETS: dict[str, CompareSettings] = {
+    "full": CompareSettings(),
+    "quick": CompareSettings(
+        requests=192, naive_requests=64, seed_requests=64, naive_time_limit_s=60.0, repeats=2,
+        synthetic_requests=3_000, zmq_messages=200_000, loadgen_requests=1_000,
+    ),
+    "smoke": CompareSettings(
+        concurrency=4, prompt_len=8, max_tokens=4, requests=8, naive_requests=4, seed_requests=4,
+        naive_time_limit_s=10.0, repeats=1, synthetic_requests=40, zmq_messages=2_000,
+        loadgen_requests=20, idle_s=0.3,
+    ),
+}
+"""``full`` (the default), ``quick`` (within about 3 minutes on 2 cores), ``smoke`` (seconds; for tests)."""
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def machine_info() -> dict:
+    """CPU model, core counts, load, and versions of Python and the main libraries."""
+    import psutil
+
+    cpu_model = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu_model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu_model)
+    except OSError:
+        pass
+    versions = {}
+    for package in ("torch", "transformers", "pyzmq", "msgspec", "ringstream"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return {
+        "cpu_model": cpu_model,
+        "logical_cores": os.cpu_count(),
+        "physical_cores": psutil.cpu_count(logical=False),
+        "load_average_at_start": list(os.getloadavg()),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        **{f"{name}_version": version for name, version in versions.items()},
+    }
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or not denominator:
+        return None
+    return numerator / denominator
+
+
+def _p99_ttft(summary: dict | None) -> float | None:
+    return summary["ttft_s"]["p99"] if summary else None
+
+
+def _best(runs: list[dict]) -> dict | None:
+    """The run with the highest tok/s."""
+    return max(runs, key=lambda run: run["tok_s"]) if runs else None
+
+
+class _CpuMeter:
+    """CPU seconds used by groups of processes between ``start()`` and ``stop()``, as percent of one core."""
+
+    def __init__(self, groups: dict[str, list]) -> None:
+        self.groups = groups
+        self._before: dict[str, float] = {}
+        self._start = 0.0
+
+    @staticmethod
+    def _seconds(processes: list) -> float:
+        from tools.bench_serving import process_cpu_seconds
+
+        return sum(process_cpu_seconds(proc) for proc in processes)
+
+    def start(self) -> None:
+        self._start = time.perf_counter()
+        self._before = {name: self._seconds(procs) for name, procs in self.groups.items()}
+
+    def stop(self) -> dict[str, float]:
+        elapsed = time.perf_counter() - self._start
+        return {
+            name: 100.0 * (self._seconds(procs) - self._before[name]) / elapsed
+            for name, procs in self.groups.items()
+        }
+
+
+def _log(message: str) -> None:
+    print(f"[{PROG}] {message}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------ compare
+
+
+@dataclass
+class _Report:
+    """What ``compare`` gathers: per-system results and the failures met."""
+
+    systems: dict[str, dict] = field(default_factory=dict)
+    records: dict[str, list[RequestRecord]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+def _measure(report: _Report, name: str, repeats: int, run) -> None:
+    """Call ``run()`` ``repeats`` times; each returns ``(tok_s, records or None)``; keep the best."""
+    runs = []
+    best_records = None
+    for _ in range(repeats):
+        tok_s, records = run()
+        summary = summarize(records) if records else None
+        entry = {"tok_s": tok_s, "summary": summary}
+        runs.append(entry)
+        if entry is _best(runs):
+            best_records = records
+    best = _best(runs)
+    report.systems[name] = {
+        "tok_s": best["tok_s"], "summary": best["summary"], "runs_tok_s": [r["tok_s"] for r in runs],
+    }
+    if best_records:
+        report.records[name] = best_records
+
+
+def _guard(report: _Report, name: str, action) -> None:
+    """Run one part; a failure is recorded and the comparison goes on."""
+    _log(f"{name} ...")
+    start = time.perf_counter()
+    try:
+        action()
+    except Exception as exc:  # any failure of one part must not lose the others' figures
+        report.errors[name] = f"{type(exc).__name__}: {exc}"
+        _log(f"{name} failed: {report.errors[name]}")
+        return
+    _log(f"{name} done in {time.perf_counter() - start:.1f} s")
+
+
+def _workload_spec(settings: CompareSettings, info) -> WorkloadSpec:
+    return WorkloadSpec(
+        prompt_len=Dist("fixed", settings.prompt_len), max_tokens=Dist("fixed", settings.max_tokens),
+        vocab_size=info.vocab_size, exclude_ids=tuple(info.eos_token_ids),
+    )
+
+
+def _in_process_parts(settings: CompareSettings, report: _Report, info, spec: WorkloadSpec) -> None:
+    """ceiling, engine, hf-cb, seed, naive: one model in this process."""
+    from transformers import AutoTokenizer
+
+    from daemon.engine import Engine
+    from daemon.model import load_model, load_tokenizer
+    from tools import baselines
+
+    stream = spec.requests()
+    prompts = [next(stream).prompt_token_ids for _ in range(settings.requests)]
+    workload = baselines.Workload(prompts, settings.max_tokens, settings.concurrency)
+    try:
+        model = load_model(info)
+        engine = Engine(model, load_tokenizer(info), max_num_seqs=settings.concurrency,
+                        eos_token_ids=info.eos_token_ids)
+    except Exception as exc:  # every in-process part needs the model: record the cause for each
+        for name in IN_PROCESS_SYSTEMS:
+            report.errors[name] = f"cannot load the model: {type(exc).__name__}: {exc}"
+        return
+    prefill_tokens = engine.max_num_batched_tokens
+    total_ceiling = settings.concurrency * settings.max_tokens
+
+    @functools.cache
+    def hf_tokenizer():
+        """The transformers tokenizer the streamers need, loaded on first use."""
+        return AutoTokenizer.from_pretrained(info.path, local_files_only=True)
+
+    def ceiling() -> None:
+        baselines.warm_ceiling(model, workload, prefill_tokens)
+        _measure(report, "ceiling", settings.repeats,
+                 lambda: (baselines.run_ceiling(model, workload, prefill_tokens), None))
+        report.systems["ceiling"]["tokens_per_run"] = total_ceiling
+
+    def engine_part() -> None:
+        engine.warmup()
+        baselines.run_engine(engine, workload.head(settings.concurrency))
+        _measure(report, "engine", settings.repeats, lambda: _records_rate(baselines.run_engine(engine, workload)))
+
+    def hf_cb() -> None:
+        with baselines.HfContinuousBatching(model, workload) as cb:
+            cb.run(workload.head(min(settings.concurrency, baselines.WARMUP_REQUESTS)))
+            _measure(report, "hf-cb", settings.repeats, lambda: _records_rate(cb.run(workload)))
+            report.systems["hf-cb"]["settings"] = cb.settings
+
+    warm = workload.head(1, baselines.WARMUP_MAX_TOKENS)
+
+    def seed() -> None:
+        baselines.run_seed(model, hf_tokenizer(), warm, settings.seed_threads())
+        head = workload.head(settings.seed_requests)
+        _measure(report, "seed", 1, lambda: _records_rate(
+            baselines.run_seed(model, hf_tokenizer(), head, settings.seed_threads(), settings.naive_time_limit_s)))
+        report.systems["seed"]["pool_size"] = settings.seed_threads()
+
+    def naive() -> None:
+        baselines.run_naive(model, hf_tokenizer(), warm)
+        head = workload.head(settings.naive_requests)
+        _measure(report, "naive", 1, lambda: _records_rate(
+            baselines.run_naive(model, hf_tokenizer(), head, settings.naive_time_limit_s)))
+
+    parts = {"ceiling": ceiling, "engine": engine_part, "hf-cb": hf_cb, "seed": seed, "naive": naive}
+    for name in IN_PROCESS_SYSTEMS:
+        _guard(report, name, parts[name])
+
+
+def _records_rate(records: list[RequestRecord]) -> tuple[float, list[RequestRecord]]:
+    return summarize(records)["tok_s"], records
+
+
+def _daemon_part(settings: CompareSettings, report: _Report, name: str, serve_args: list[str],
+                 spec: WorkloadSpec, requests: int, check_text: bool) -> None:
+    """Start a daemon, sample its idle CPU, warm it up, then measure ``repeats`` load runs."""
+    import tempfile
+
+    import psutil
+
+    from tools.bench_serving import idle_cpu_percent, running_daemon, write_config
+
+    serve_config = {"worker_threads": settings.torch_threads()}
+    with tempfile.TemporaryDirectory(prefix="ringstream-bench-config-") as tmp:
+        config = write_config(Path(tmp), serve_config)
+        args = ["--config", str(config), "--devices", "cpu", "--max-concurrency", str(settings.concurrency),
+                *serve_args]
+        with running_daemon(args) as daemon:
+            time.sleep(SETTLE_S)
+            processes = daemon.processes()
+            idle = idle_cpu_percent(processes, settings.idle_s)
+            load = LoadConfig(daemon.address, concurrency=settings.concurrency, requests=requests,
+                              check_text=check_text, progress=True)
+            run_load(replace(load, requests=settings.concurrency, progress=False), spec)
+            meter = _CpuMeter({"front": processes[:1], "workers": processes[1:], "loadgen": [psutil.Process()]})
+            cpu_runs = []
+
+            def one_run() -> tuple[float, list[RequestRecord]]:
+                meter.start()
+                result = run_load(load, spec)
+                cpu_runs.append(meter.stop())
+                summary = summarize(result.records)
+                return summary["tok_s"], result.records
+
+            _measure(report, name, settings.repeats, one_run)
+            best = max(range(len(cpu_runs)), key=lambda i: report.systems[name]["runs_tok_s"][i])
+            report.systems[name].update(
+                idle_cpu_percent=idle, cpu_percent_during_load=cpu_runs[best], command=daemon.command,
+                config_file=serve_config,
+            )
+
+
+def _serving_parts(settings: CompareSettings, report: _Report, spec: WorkloadSpec) -> None:
+    """daemon, synthetic daemon, zmq ceiling, load-generator ceiling."""
+    from tools.bench_serving import loadgen_ceiling, synthetic_engine_support, zmq_ceiling
+
+    _guard(report, "daemon", lambda: _daemon_part(settings, report, "daemon", [], spec, settings.requests, False))
+    reason = synthetic_engine_support()
+    if reason is None:
+        synthetic_args = ["--engine", "synthetic", "--synthetic-step-ms", str(settings.synthetic_step_ms)]
+        _guard(report, "synthetic", lambda: _daemon_part(
+            settings, report, "synthetic", synthetic_args, spec, settings.synthetic_requests, True))
+        if "synthetic" in report.systems:
+            report.systems["synthetic"]["step_ms"] = settings.synthetic_step_ms
+    else:
+        report.systems["synthetic"] = {"skipped": reason}
+        _log(f"synthetic skipped: {reason}")
+
+    def zmq() -> None:
+        runs = [zmq_ceiling(settings.zmq_messages) for _ in range(settings.repeats)]
+        report.systems["zmq"] = max(runs, key=lambda run: run["msg_s"]) | {"runs_msg_s": [r["msg_s"] for r in runs]}
+
+    def loadgen() -> None:
+        report.systems["loadgen"] = loadgen_ceiling(
+            LoadConfig("", concurrency=settings.concurrency, requests=settings.loadgen_requests, progress=False), spec)
+
+    _guard(report, "zmq", zmq)
+    _guard(report, "loadgen", loadgen)
+
+
+def compare(settings: CompareSettings, command: str = PROG) -> tuple[dict, dict[str, list[RequestRecord]]]:
+    """Run every part of the comparison (see the module docstring).
+
+    Returns ``(report, records)``: the JSON report (every key of
+    :data:`REQUIRED_KEYS` among others) and, per system measured request by
+    request, the records of its best run. A part that fails leaves its
+    figures None and its error under ``report["errors"]``.
+    """
+    import torch
+
+    from daemon.model import resolve_model_dir
+
+    threads = settings.torch_threads()
+    torch.set_num_threads(threads)
+    info = resolve_model_dir(settings.model)
+    spec = _workload_spec(settings, info)
+    report = _Report()
+    started = time.perf_counter()
+    machine = machine_info()
+    _in_process_parts(settings, report, info, spec)
+    _serving_parts(settings, report, spec)
+    seconds = time.perf_counter() - started
+    return _assemble(settings, report, info, machine, command, threads, seconds), report.records
+
+
+def _assemble(settings, report: _Report, info, machine: dict, command: str, threads: int, seconds: float) -> dict:
+    """Flatten the figures and ratios into the JSON report."""
+    systems = report.systems
+
+    def tok_s(name: str) -> float | None:
+        return systems.get(name, {}).get("tok_s")
+
+    def summary(name: str) -> dict | None:
+        return systems.get(name, {}).get("summary")
+
+    synthetic = summary("synthetic")
+    zmq = systems.get("zmq", {})
+    figures = {
+        "ceiling_tok_s": tok_s("ceiling"),
+        "engine_tok_s": tok_s("engine"),
+        "hf_cb_tok_s": tok_s("hf-cb"),
+        "seed_tok_s": tok_s("seed"),
+        "naive_tok_s": tok_s("naive"),
+        "daemon_tok_s": tok_s("daemon"),
+        "engine_p99_ttft_s": _p99_ttft(summary("engine")),
+        "hf_cb_p99_ttft_s": _p99_ttft(summary("hf-cb")),
+        "seed_p99_ttft_s": _p99_ttft(summary("seed")),
+        "naive_p99_ttft_s": _p99_ttft(summary("naive")),
+        "daemon_p99_ttft_s": _p99_ttft(summary("daemon")),
+        "daemon_req_s": summary("daemon")["req_s"] if summary("daemon") else None,
+        "daemon_order_violations": summary("daemon")["order_violations"] if summary("daemon") else None,
+        "synthetic_req_s": synthetic["req_s"] if synthetic else None,
+        "synthetic_tok_s": synthetic["tok_s"] if synthetic else None,
+        "synthetic_p99_ttft_s": _p99_ttft(synthetic),
+        "synthetic_order_violations": synthetic["order_violations"] if synthetic else None,
+        "synthetic_content_errors": synthetic["content_errors"] if synthetic else None,
+        "zmq_msg_s": zmq.get("msg_s"),
+        "loadgen_ceiling_tok_s": systems.get("loadgen", {}).get("tok_s"),
+        "idle_cpu_percent": systems.get("daemon", {}).get("idle_cpu_percent"),
+        "synthetic_idle_cpu_percent": systems.get("synthetic", {}).get("idle_cpu_percent"),
+    }
+    ratios = {
+        "engine_over_ceiling": _ratio(figures["engine_tok_s"], figures["ceiling_tok_s"]),
+        "daemon_over_engine": _ratio(figures["daemon_tok_s"], figures["engine_tok_s"]),
+        "daemon_over_naive": _ratio(figures["daemon_tok_s"], figures["naive_tok_s"]),
+        "daemon_over_seed": _ratio(figures["daemon_tok_s"], figures["seed_tok_s"]),
+        "daemon_over_hf_cb": _ratio(figures["daemon_tok_s"], figures["hf_cb_tok_s"]),
+        "daemon_over_ceiling": _ratio(figures["daemon_tok_s"], figures["ceiling_tok_s"]),
+        "naive_p99_ttft_over_daemon": _ratio(figures["naive_p99_ttft_s"], figures["daemon_p99_ttft_s"]),
+        "seed_p99_ttft_over_daemon": _ratio(figures["seed_p99_ttft_s"], figures["daemon_p99_ttft_s"]),
+        "hf_cb_p99_ttft_over_daemon": _ratio(figures["hf_cb_p99_ttft_s"], figures["daemon_p99_ttft_s"]),
+        "daemon_p99_ttft_over_engine": _ratio(figures["daemon_p99_ttft_s"], figures["engine_p99_ttft_s"]),
+        "synthetic_tok_s_over_zmq_msg_s": _ratio(figures["synthetic_tok_s"], figures["zmq_msg_s"]),
+        "synthetic_tok_s_over_loadgen_ceiling": _ratio(figures["synthetic_tok_s"], figures["loadgen_ceiling_tok_s"]),
+        "synthetic_tok_s_over_daemon": _ratio(figures["synthetic_tok_s"], figures["daemon_tok_s"]),
+    }
+    return {
+        **figures,
+        **{f"ratio_{name}": value for name, value in ratios.items()},
+        "command": command,
+        "machine": machine,
+        "settings": asdict(settings) | {"torch_threads": threads, "model_path": str(info.path)},
+        "workload": {
+            "concurrency": settings.concurrency, "prompt_len": settings.prompt_len,
+            "max_tokens": settings.max_tokens, "sampling": "greedy, EOS ignored", "loop": "closed",
+        },
+        "systems": systems,
+        "errors": report.errors,
+        "seconds": seconds,
+    }
+
+
+# ------------------------------------------------------------------ output
+
+
+def _fmt(value, spec: str = ".0f", scale: float | None = None) -> str:
+    if value is None:
+        return "-"
+    return f"{value if scale is None else value * scale:{spec}}"
+
+
+def _ms(value) -> str:
+    return _fmt(value, ".2f", 1e3)
+
+
+def _console():
+    """A rich console on stdout; wide enough for the tables when stdout is not a terminal."""
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=CONSOLE_WIDTH)
+
+
+def print_compare(report: dict, console=None) -> None:
+    """Print the comparison as rich tables."""
+    from rich.table import Table
+
+    console = console or _console()
+    systems = report["systems"]
+    table = Table(title=f"ringstream-bench compare: {report['command']}")
+    for column in ("system", "tok/s", "req/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
+                   "E2E p99 ms", "requests", "errors", "order viol."):
+        table.add_column(column, justify="left" if column == "system" else "right")
+    for name in (*SYSTEMS, "synthetic"):
+        entry = systems.get(name, {})
+        summary = entry.get("summary")
+        if "skipped" in entry or name in report["errors"]:
+            reason = (entry.get("skipped") or report["errors"][name]).splitlines()[0]
+            table.add_row(name, "-", "-", "-", "-", "-", "-", "-", "-", reason[:ERROR_CELL_CHARS], "-")
+            continue
+        if summary is None:
+            table.add_row(name, _fmt(entry.get("tok_s")), *["-"] * 9)
+            continue
+        table.add_row(
+            name, _fmt(entry["tok_s"]), _fmt(summary["req_s"], ".1f"),
+            _ms(summary["ttft_s"]["p50"]), _ms(summary["ttft_s"]["p99"]),
+            _ms(summary["itl_s"]["p50"]), _ms(summary["itl_s"]["p99"]), _ms(summary["e2e_s"]["p99"]),
+            str(summary["requests"]), str(sum(summary["errors"].values())), str(summary["order_violations"]),
+        )
+    console.print(table)
+
+    ratios = Table(title="ratios")
+    ratios.add_column("ratio")
+    ratios.add_column("value", justify="right")
+    for key, label in RATIO_LABELS.items():
+        ratios.add_row(label, _fmt(report[f"ratio_{key}"], ".3f"))
+    console.print(ratios)
+
+    serving = Table(title="serving layer")
+    serving.add_column("figure")
+    serving.add_column("value", justify="right")
+    rows = (
+        ("synthetic req/s", _fmt(report["synthetic_req_s"], ".0f")),
+        ("synthetic tok/s", _fmt(report["synthetic_tok_s"], ".0f")),
+        ("synthetic P99 TTFT ms", _ms(report["synthetic_p99_ttft_s"])),
+        ("synthetic order violations", _fmt(report["synthetic_order_violations"], "d")),
+        ("synthetic content errors", _fmt(report["synthetic_content_errors"], "d")),
+        ("zmq DEALER->ROUTER msg/s", _fmt(report["zmq_msg_s"], ".0f")),
+        ("synthetic tok/s / zmq msg/s", _fmt(report["ratio_synthetic_tok_s_over_zmq_msg_s"], ".3f")),
+        ("load generator ceiling tok/s", _fmt(report["loadgen_ceiling_tok_s"], ".0f")),
+        ("idle daemon CPU % (front + workers)", _fmt(report["idle_cpu_percent"], ".2f")),
+        ("idle synthetic daemon CPU %", _fmt(report["synthetic_idle_cpu_percent"], ".2f")),
+    )
+    for label, value in rows:
+        serving.add_row(label, value)
+    for name in ("daemon", "synthetic"):
+        cpu = systems.get(name, {}).get("cpu_percent_during_load")
+        if cpu:
+            serving.add_row(f"{name} CPU % under load", ", ".join(f"{k} {v:.0f}" for k, v in cpu.items()))
+    console.print(serving)
+    machine = report["machine"]
+    console.print(
+        f"{machine['cpu_model']}, {machine['logical_cores']} logical cores, torch {machine['torch_version']}, "
+        f"transformers {machine['transformers_version']}, torch threads {report['settings']['torch_threads']}, "
+        f"load average at start {machine['load_average_at_start'][0]:.2f}; {report['seconds']:.0f} s"
+    )
+    for name, error in report["errors"].items():
+        console.print(f"[red]{name} failed:[/red] {error}")
+
+
+def print_run(report: dict, console=None) -> None:
+    """Print one load run's summary as a rich table."""
+    from rich.table import Table
+
+    console = console or _console()
+    summary = report["summary"]
+    table = Table(title=f"ringstream-bench run: {report['command']}")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    table.add_row("requests (completed)", f"{summary['requests']} ({summary['completed']})")
+    table.add_row("wall s", f"{summary['wall_s']:.2f}")
+    table.add_row("requests/s", f"{summary['req_s']:.2f}")
+    table.add_row("output tokens/s", f"{summary['tok_s']:.0f}")
+    for label, key in (("TTFT", "ttft_s"), ("ITL", "itl_s"), ("E2E", "e2e_s")):
+        stats = summary[key]
+        table.add_row(f"{label} p50 / p90 / p99 / max ms",
+                      " / ".join(_ms(stats[k]) for k in ("p50", "p90", "p99", "max")))
+    table.add_row("errors", ", ".join(f"{k} {v}" for k, v in summary["errors"].items()) or "0")
+    table.add_row("order violations", str(summary["order_violations"]))
+    table.add_row("content errors", str(summary["content_errors"]))
+    for priority, stats in summary.get("by_priority", {}).items():
+        table.add_row(f"priority {priority}: requests, TTFT p50 / p99 ms",
+                      f"{stats['requests']}, {_ms(stats['ttft_s']['p50'])} / {_ms(stats['ttft_s']['p99'])}")
+    console.print(table)
+
+
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend; raises :class:`PlotUnavailable` if matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotUnavailable(
+            "--plot needs matplotlib: pip install 'ringstream[plot]' (or pip install 'matplotlib>=3.7')"
+        ) from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot(path: str | Path, runs: dict[str, list[RequestRecord]]) -> None:
+    """Draw TTFT, ITL and E2E CDFs and output tokens/s over time, one line per run, into a PNG.
+
+    Raises:
+        PlotUnavailable: matplotlib is not installed.
+    """
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=PLOT_SIZE_IN)
+    panels = (
+        (axes[0][0], "TTFT", lambda recs: [r.ttft for r in recs if r.error is None and r.ttft is not None]),
+        (axes[0][1], "ITL", lambda recs: [s for r in recs if r.error is None
+                                          for s in itl_samples(r.chunk_times, r.chunk_tokens)]),
+        (axes[1][0], "E2E", lambda recs: [r.e2e for r in recs if r.error is None and r.e2e is not None]),
+    )
+    for axis, label, values_of in panels:
+        for name, records in runs.items():
+            values = [v for v in values_of(records) if v > 0]
+            if values:
+                xs, ys = cdf(values)
+                axis.plot([x * 1e3 for x in xs], ys, label=name)
+        axis.set_xscale("log")
+        axis.set_xlabel(f"{label} (ms, log scale)")
+        axis.set_ylabel("fraction of samples")
+        axis.set_title(f"{label} CDF")
+        axis.grid(True, alpha=PLOT_GRID_ALPHA)
+        axis.legend()
+    axis = axes[1][1]
+    for name, records in runs.items():
+        points = timeline(records)
+        if points:
+            axis.plot([t for t, _ in points], [v for _, v in points], marker=".", label=name)
+    axis.set_xlabel("time since the first request (s)")
+    axis.set_ylabel("output tokens/s")
+    axis.set_title("throughput over time")
+    axis.grid(True, alpha=PLOT_GRID_ALPHA)
+    axis.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=PLOT_DPI)
+    plt.close(fig)
+
+
+def _write_json(path: str, report: dict) -> None:
+    Path(path).write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``ringstream-bench`` argument parser (subcommands ``run`` and ``compare``)."""
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="drive a running daemon and report latency and throughput")
+    run.add_argument("--socket", required=True,
+                     help="daemon address, e.g. ipc:///run/user/1000/ringstream/default.sock")
+    loop = run.add_mutually_exclusive_group()
+    loop.add_argument("--concurrency", type=int, default=64, help="closed loop: streams in flight (default 64)")
+    loop.add_argument("--rate", type=float, help="open loop: Poisson arrivals, requests per second")
+    stop = run.add_mutually_exclusive_group()
+    stop.add_argument("--requests", type=int, help="requests in all (default 256 unless --duration)")
+    stop.add_argument("--duration", type=float, help="seconds during which requests start")
+    run.add_argument("--prompt-len", default="64", help="prompt tokens: N, uniform:A:B, normal:MEAN:STD, exp:MEAN")
+    run.add_argument("--max-tokens", default="32", help="new tokens per request, same forms (default 32)")
+    run.add_argument("--prompt-kind", choices=("ids", "text", "mixed"), default="ids",
+                     help="send prompt_token_ids, text (decoded with the model's tokenizer) or both alternately")
+    run.add_argument("--priority-mix", help='priorities and their shares, e.g. "0:0.8,10:0.2" (default all 0)')
+    run.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    run.add_argument("--model", help="model directory for the vocabulary and text prompts (default: built-in)")
+    run.add_argument("--seed", type=int, default=WorkloadSpec.seed, help="seed of the request generator")
+    run.add_argument("--clients", type=int, default=1,
+                     help="AsyncClients per process, streams round-robin (default 1: against the synthetic daemon "
+                          "on 2 cores, 64 streams on one shared client gave 40.0k tok/s best of 4, one client in "
+                          "each of 2 processes 38.8k, 8 clients 36.8k, one client per stream 28.8k)")
+    run.add_argument("--procs", type=int, default=1, help="load generator processes, load split evenly (default 1)")
+    run.add_argument("--check-synthetic-text", action="store_true",
+                     help="check each stream's text is the synthetic engine's ' t0 t1 ...'")
+    run.add_argument("--json", help="write the report (config, summary, timeline) to this file")
+    run.add_argument("--plot", help="draw latency CDFs and tokens/s over time into this PNG (needs matplotlib)")
+
+    cmp = sub.add_parser("compare", help="daemon against baselines and the serving-layer ceilings, one table")
+    preset = cmp.add_mutually_exclusive_group()
+    preset.add_argument("--quick", action="store_const", const="quick", dest="preset",
+                        help="fewer requests and repeats: about 3 minutes on 2 cores")
+    preset.add_argument("--smoke", action="store_const", const="smoke", dest="preset",
+                        help="a handful of tiny requests per part (seconds; checks that every part runs)")
+    cmp.add_argument("--requests", type=int, help="requests per run of engine, hf-cb and daemon")
+    cmp.add_argument("--repeats", type=int, help="runs of each throughput measurement")
+    cmp.add_argument("--threads", type=int, help="torch threads of every part (default: half the cores)")
+    cmp.add_argument("--seed-pool", type=int, help="threads of the seed baseline")
+    cmp.add_argument("--synthetic-step-ms", type=float, help="synthetic engine step time (default 1 ms)")
+    cmp.add_argument("--model", help="model directory (default: built-in model)")
+    cmp.add_argument("--json", help="write the report to this file")
+    cmp.add_argument("--plot", help="draw every system's latency CDFs and tokens/s over time (needs matplotlib)")
+    return parser
+
+
+def _run_command(args: argparse.Namespace, command: str) -> int:
+    from daemon.model import resolve_model_dir
+
+    info = resolve_model_dir(args.model)
+    workload = WorkloadSpec(
+        prompt_len=Dist.parse(args.prompt_len), max_tokens=Dist.parse(args.max_tokens),
+        vocab_size=info.vocab_size, exclude_ids=tuple(info.eos_token_ids), prompt_kind=args.prompt_kind,
+        priority_mix=tuple(parse_priority_mix(args.priority_mix)), seed=args.seed,
+    )
+    requests = args.requests if args.requests is not None or args.duration is not None else 256
+    config = LoadConfig(
+        args.socket, concurrency=args.concurrency, rate=args.rate, requests=requests, duration_s=args.duration,
+        clients=args.clients, procs=args.procs, check_text=args.check_synthetic_text,
+        temperature=args.temperature,
+    ).check()
+    if args.plot:
+        _pyplot()
+    result = run_load(config, workload, args.model)
+    report = {
+        "command": command,
+        "config": asdict(config) | {"prompt_len": str(workload.prompt_len), "max_tokens": str(workload.max_tokens),
+                                    "prompt_kind": workload.prompt_kind, "priority_mix": workload.priority_mix,
+                                    "seed": workload.seed},
+        "summary": summarize(result.records, result.wall_s),
+        "timeline": timeline(result.records),
+        "client_decode_errors": result.client_decode_errors,
+        "per_proc": result.per_proc,
+        "machine": machine_info(),
+    }
+    print_run(report)
+    if args.json:
+        _write_json(args.json, report)
+    if args.plot:
+        plot(args.plot, {"daemon": result.records})
+    return 0 if report["summary"]["order_violations"] == 0 else 1
+
+
+def _compare_command(args: argparse.Namespace, command: str) -> int:
+    settings = PRESETS[args.preset or "full"]
+    overrides = {
+        "requests": args.requests, "repeats": args.repeats, "threads": args.threads, "seed_pool": args.seed_pool,
+        "synthetic_step_ms": args.synthetic_step_ms, "model": args.model,
+    }
+    settings = replace(settings, **{k: v for k, v in overrides.items() if v is not None})
+    if args.plot:
+        _pyplot()
+    report, records = compare(settings, command)
+    print_compare(report)
+    if args.json:
+        _write_json(args.json, report)
+    if args.plot:
+        plot(args.plot, records)
+    return 0 if not report["errors"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``ringstream-bench``; returns the exit code (2 for bad arguments)."""
+    args = build_parser().parse_args(argv)
+    command = shlex.join([PROG, *(sys.argv[1:] if argv is None else argv)])
+    try:
+        if args.command == "run":
+            return _run_command(args, command)
+        return _compare_command(args, command)
+    except (WorkloadError, PlotUnavailable) as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
