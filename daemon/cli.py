@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 import msgspec
@@ -19,8 +20,9 @@ def _add_address(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ringstream", description="Host-local LLM inference daemon.")
     sub = parser.add_subparsers(dest="command", required=True)
+    defaults = argparse.ArgumentDefaultsHelpFormatter
 
-    serve = sub.add_parser("serve", help="run the daemon in the foreground")
+    serve = sub.add_parser("serve", formatter_class=defaults, help="run the daemon in the foreground")
     serve.add_argument("--config", help="TOML config file")
     serve.add_argument("--socket", help="client address: ipc://PATH or tcp://127.0.0.1:PORT")
     serve.add_argument("--instance", help="instance name (scopes socket and ring names)")
@@ -34,19 +36,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--queue-size", type=int, help="waiting requests at most")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
-    gen = sub.add_parser("generate", help="stream one generation to stdout")
+    gen = sub.add_parser("generate", formatter_class=defaults, help="stream one generation to stdout")
     _add_address(gen)
     gen.add_argument("prompt")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.8)
-    gen.add_argument("--top-p", type=float, default=0.95)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int)
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (1 = off)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0 = off)")
+    gen.add_argument("--seed", type=int, help="reproducible sampling")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--priority", type=int, default=0, help="lower is served first")
+    gen.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    gen.add_argument("--timeout", type=float, help="whole-request deadline, seconds (shortens the daemon's)")
+    gen.add_argument("--queue-timeout", type=float, help="deadline to start, seconds")
     gen.add_argument("--json", action="store_true", help="print each chunk as a JSON line")
 
-    status = sub.add_parser("status", help="live figures of a running daemon")
+    status = sub.add_parser("status", formatter_class=defaults, help="live figures of a running daemon")
     _add_address(status)
     status.add_argument("--json", action="store_true")
 
@@ -56,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_address(admin_set)
     admin_set.add_argument("settings", nargs="+", metavar="KEY=VALUE")
 
-    demo = sub.add_parser("demo", help="start a daemon on the built-in model, stream a batch, summarise, stop")
+    demo = sub.add_parser("demo", formatter_class=defaults, help="start a daemon on the built-in model, stream a batch, summarise, stop")
     demo.add_argument("--model", help="model directory (default: built-in model)")
     demo.add_argument("--devices", default="cpu")
     demo.add_argument("--requests", type=int, default=16)
@@ -66,6 +72,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except BrokenPipeError:
+        # stdout closed early (| head): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _check_address(args: argparse.Namespace) -> str:
+    """The address to use; fails at once (ValueError) when its ipc socket file does not exist."""
+    from ipc.address import default_socket
+
+    address = args.socket or default_socket(args.instance)
+    if address.startswith("ipc://") and not os.path.exists(address[len("ipc://"):]):
+        raise ValueError(f"no daemon at {address} (the socket file does not exist)")
+    return address
+
+
+def _run(args: argparse.Namespace) -> int:
     match args.command:
         case "serve":
             return _serve(args)
@@ -104,9 +129,10 @@ def _generate(args: argparse.Namespace) -> int:
     from ipc.client import Client, RingstreamError
 
     params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                  seed=args.seed, stop=args.stop, priority=args.priority)
+                  seed=args.seed, stop=args.stop, priority=args.priority, stop_token_ids=args.stop_token_id,
+                  ignore_eos=args.ignore_eos, timeout_s=args.timeout, queue_timeout_s=args.queue_timeout)
     try:
-        with Client(args.socket, instance=args.instance) as client:
+        with Client(_check_address(args)) as client:
             for chunk in client.generate(args.prompt, **params):
                 if args.json:
                     sys.stdout.write(msgspec.json.encode(to_dict(chunk)).decode() + "\n")
@@ -114,7 +140,7 @@ def _generate(args: argparse.Namespace) -> int:
                     sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 last = chunk
-    except (RingstreamError, msgspec.ValidationError) as exc:
+    except (RingstreamError, msgspec.ValidationError, ValueError) as exc:
         print(f"\nringstream: {exc}", file=sys.stderr)
         return 1
     if not args.json:
@@ -138,7 +164,7 @@ def _admin(args: argparse.Namespace) -> int:
 
     try:
         settings = dict(parse_setting(item) for item in args.settings)
-        with Client(args.socket, instance=args.instance, timeout_s=5.0) as client:
+        with Client(_check_address(args), timeout_s=5.0) as client:
             reply = client.admin(**settings)
     except (ValueError, RingstreamError) as exc:
         print(f"ringstream: {exc}", file=sys.stderr)
@@ -151,9 +177,9 @@ def _status(args: argparse.Namespace) -> int:
     from ipc.client import Client, RingstreamError
 
     try:
-        with Client(args.socket, instance=args.instance, timeout_s=5.0) as client:
+        with Client(_check_address(args), timeout_s=5.0) as client:
             reply = client.status()
-    except RingstreamError as exc:
+    except (RingstreamError, ValueError) as exc:
         print(f"ringstream: {exc}", file=sys.stderr)
         return 1
     if args.json:
@@ -164,7 +190,7 @@ def _status(args: argparse.Namespace) -> int:
           f"{reply.requests_total} requests, {reply.tokens_generated_total} tokens")
     for w in reply.workers:
         print(f"  worker {w.index} {w.device} pid {w.pid} {'alive' if w.alive else 'DEAD'}: "
-              f"{w.running}/{w.max_num_seqs} running, KV {w.kv_cache_tokens_used}/{w.kv_cache_tokens} tokens, "
+              f"{w.running}/{min(w.max_num_seqs, reply.max_concurrency)} running, KV {w.kv_cache_tokens_used}/{w.kv_cache_tokens} tokens, "
               f"ring {w.ring_fill:.0%}, served {w.requests_served}")
     return 0
 

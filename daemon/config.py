@@ -28,7 +28,18 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """ZeroMQ address clients connect to. Default: ``ipc://$RUNTIME_DIRECTORY/ringstream.sock``
     under systemd, else ``ipc://$XDG_RUNTIME_DIR/ringstream/<instance>.sock`` (or a temp dir)."""
     socket_mode: int = 0o600
-    """File mode of the ipc socket and the rings (0o600 owner only, 0o660 with the group)."""
+    """File mode of the ipc socket (0o600 owner only, 0o660 with the group); the rings get the
+    owner's read-write bits and, when the group may connect, group read only."""
+    max_clients: int = 1024
+    """Client connections the daemon is sized for: at start the open-file limit (RLIMIT_NOFILE) must
+    allow this many plus the daemon's own files; the soft limit is raised up to the hard one if needed."""
+    curve_secret_key_file: str | None = None
+    """ZeroMQ certificate (``zmq.auth.create_certificates`` format) holding the server's CURVE secret and
+    public key. With it the client socket is CURVE-encrypted and authenticated; required for a
+    non-loopback TCP ``socket``."""
+    curve_allowed_clients_dir: str | None = None
+    """Directory of client public-key certificates (``*.key``) allowed to connect over CURVE;
+    re-read on SIGHUP. Required with ``curve_secret_key_file``."""
     model: str | None = None
     """Local Hugging Face causal-LM directory; None = the built-in default model."""
     devices: str = "auto"
@@ -89,8 +100,13 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         """Validate every field; returns self. Raises ValueError naming the bad value."""
         if not INSTANCE_RE.match(self.instance):
             raise ValueError(f"instance {self.instance!r}: use 1-64 letters, digits, '_', '.', '-'")
+        curve = self.curve_secret_key_file is not None
+        if curve != (self.curve_allowed_clients_dir is not None):
+            raise ValueError("curve_secret_key_file and curve_allowed_clients_dir: give both or neither")
         if self.socket is not None:
-            check_socket_address(self.socket)
+            check_socket_address(self.socket, curve=curve)
+        if self.max_clients < 1:
+            raise ValueError(f"max_clients = {self.max_clients}: must be >= 1")
         if not 0 <= self.socket_mode <= 0o777:
             raise ValueError(f"socket_mode {self.socket_mode:o}: not a file mode")
         if not 0 < self.memory_utilization <= 1:
@@ -134,11 +150,12 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return self.socket or default_socket(self.instance)
 
 
-def check_socket_address(address: str) -> None:
-    """Accept ``ipc://PATH`` and loopback ``tcp://HOST:PORT``; raise ValueError otherwise.
+def check_socket_address(address: str, curve: bool = False) -> None:
+    """Accept ``ipc://PATH`` and ``tcp://HOST:PORT``; raise ValueError otherwise.
 
-    A non-loopback TCP bind would expose the daemon to the network; it needs
-    CURVE authentication, which this version does not configure.
+    A TCP host must be a loopback address unless ``curve`` (CURVE keys are
+    configured): a non-loopback bind exposes the daemon to the network, where
+    only CURVE's encryption and client allow-list keep strangers out.
     """
     if address.startswith("ipc://"):
         if len(address) <= len("ipc://"):
@@ -146,8 +163,9 @@ def check_socket_address(address: str) -> None:
         return
     if address.startswith("tcp://"):
         host = address[len("tcp://"):].rsplit(":", 1)[0]
-        if host not in TCP_LOOPBACK_HOSTS and not host.startswith("127."):
-            raise ValueError(f"socket {address!r}: TCP binds loopback only (non-loopback needs CURVE keys)")
+        if host not in TCP_LOOPBACK_HOSTS and not host.startswith("127.") and not curve:
+            raise ValueError(f"socket {address!r}: TCP binds loopback only unless CURVE is configured "
+                             "(curve_secret_key_file and curve_allowed_clients_dir)")
         return
     raise ValueError(f"socket {address!r}: use ipc://PATH or tcp://127.0.0.1:PORT")
 

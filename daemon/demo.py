@@ -22,13 +22,13 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from ipc.client import AsyncClient
+from ipc.client import AsyncClient, RingstreamError
 
 PROMPTS = [
-    "Return the", "The socket module", "Create a new", "This function is", "If the file",
-    "The default value", "Raise an exception", "Convert a string", "The object is", "A list of",
-    "This class provides", "Set the value of", "Return True if", "The path to the", "When the server",
-    "Read the data from",
+    "The socket module provides", "Return the number of", "Create a new instance of", "This function is used to",
+    "If the file does not", "The default value is", "Raise an exception if the", "Convert a string to a",
+    "The object is a", "A list of all the", "This class provides a", "Set the value of the",
+    "Return True if the", "The path to the file", "When the server is", "Read the data from the",
 ]
 DEMO_SEED = 1234
 STOP_TIMEOUT_S = 60.0
@@ -41,13 +41,25 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
+async def _wait_ready(client: AsyncClient, daemon: subprocess.Popen):
+    """Wait for the daemon's ready handshake; fail at once if the daemon process exits."""
+    ready = asyncio.ensure_future(client.wait_ready(READY_TIMEOUT_S))
+    while not ready.done():
+        await asyncio.wait({ready}, timeout=0.2)
+        if daemon.poll() is not None and not ready.done():
+            ready.cancel()
+            raise RuntimeError(f"the daemon exited with code {daemon.returncode} before it was ready")
+    return ready.result()
+
+
 async def run_demo(model: str | None, devices: str, requests: int, max_tokens: int) -> int:
     """Run the demo; returns the process exit code (0 when every stream completed and the daemon stopped cleanly)."""
     console = Console()
     tmp = tempfile.mkdtemp(prefix="ringstream-demo-")
     instance = f"demo-{os.getpid()}"
     address = f"ipc://{tmp}/demo.sock"
-    cmd = [sys.executable, "-m", "daemon.cli", "serve", "--instance", instance, "--socket", address,
+    # -P: the daemon never imports modules from the current directory
+    cmd = [sys.executable, "-P", "-m", "daemon.cli", "serve", "--instance", instance, "--socket", address,
            "--devices", devices, "--log-level", "warning"]
     if model:
         cmd += ["--model", model]
@@ -55,9 +67,14 @@ async def run_demo(model: str | None, devices: str, requests: int, max_tokens: i
     daemon = subprocess.Popen(cmd)
     outputs = [""] * requests
     stats: list[tuple[float, float, int]] = []
+    failure = None
     try:
         async with AsyncClient(address) as client:
-            status = await client.wait_ready(READY_TIMEOUT_S)
+            try:
+                status = await _wait_ready(client, daemon)
+            except (RuntimeError, RingstreamError) as exc:
+                failure = str(exc)
+                return 1
             console.print(f"ready: {len(status.workers)} worker(s), {status.workers[0].max_num_seqs} slots each; "
                           f"streaming {requests} prompts x {max_tokens} tokens")
 
@@ -111,5 +128,7 @@ async def run_demo(model: str | None, devices: str, requests: int, max_tokens: i
             daemon.kill()
             code = daemon.wait()
         shutil.rmtree(tmp, ignore_errors=True)
+        if failure is not None:
+            console.print(f"[red]demo failed[/]: {failure}")
     console.print(f"daemon stopped (exit code {code})")
     return 0 if code == 0 and len(stats) == requests else 1

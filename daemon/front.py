@@ -5,7 +5,14 @@ One asyncio loop (uvloop) owns everything here:
 * a ZeroMQ ROUTER socket for clients (``ROUTER_MANDATORY``: a send to a gone
   peer raises instead of vanishing; a send at the high-water mark raises
   EAGAIN and the chunk stays pending, coalesced with later tokens, and is
-  retried: nothing is dropped silently);
+  retried: nothing is dropped silently), optionally CURVE-encrypted with an
+  allow-list of client keys (ZAP handler on this loop);
+* a monitor of that socket's connections: a client whose connection closes
+  has its requests cancelled at once, so an identity that connects again
+  never receives chunks of its previous connection's requests. A second
+  connection that claims an identity already connected is refused by
+  ZeroMQ (``ROUTER_HANDOVER`` stays off: a newcomer cannot take over, and
+  read, another connection's streams);
 * a PULL socket on which workers report readiness, heartbeats and doorbells;
 * the rings: on a doorbell the front reads every published record, turns them
   into one ``Chunk`` per request (tokens that arrived together travel
@@ -20,12 +27,17 @@ and never polls: it sleeps until a socket, a sentinel or a timer wakes it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
+import functools
 import itertools
 import logging
 import os
 import signal
+import socket
+import struct
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import msgspec
@@ -39,7 +51,8 @@ from daemon.model import ModelInfo, load_tokenizer, resolve_model_dir
 from daemon.notify import Notifier, WatchdogGate
 from daemon.scheduler import Scheduler, SchedulerPolicy, WorkerBudget
 from daemon.supervisor import (
-    JOIN_GRACE_S, InstanceLock, StartupError, WorkerProcess, create_workers, release_workers, spawn, stop_process,
+    JOIN_GRACE_S, InstanceLock, StartupError, WorkerProcess, create_workers, ensure_open_files, open_files_needed,
+    release_workers, spawn, stop_process,
 )
 from daemon.validate import RequestRejected, Validator
 from ipc import protocol as P
@@ -51,8 +64,11 @@ HOUSEKEEPING_S = 0.25
 """Period of the timer that checks client timeouts and worker start deadlines."""
 RETRY_SEND_S = 0.002
 """Delay before retrying chunks that met a full client queue (EAGAIN)."""
-CLIENT_SNDHWM = 100_000
-"""Per-client queued messages before sends raise EAGAIN (then chunks coalesce)."""
+CLIENT_SNDHWM = 1000
+"""Per-client queued messages before sends raise EAGAIN (then chunks coalesce): bounds what a client that
+stops reading costs the front to about this many chunks, whatever its streams produce meanwhile."""
+EXIT_REAP_S = 1.0
+"""Longest wait to reap a worker whose sentinel reported its exit."""
 MAX_RESUMES = 3
 """A request whose worker died this many times ends with WORKER_FAILED instead of resuming again."""
 RESTART_BACKOFF_S = 0.5
@@ -68,6 +84,19 @@ LIVE_SETTINGS = (
     "timeout_s", "queue_timeout_s", "client_timeout_s", "drain_timeout_s", "log_level",
 )
 """Config fields that ``Admin`` and SIGHUP change without a restart; the others need one."""
+STUCK_GIVE_UP_FACTOR = 2
+"""A client that has not read for ``client_timeout_s`` has its requests cancelled; their terminal
+messages stay pending until it reads, for at most this many ``client_timeout_s`` in all."""
+INLINE_TOKENIZE_CHARS = 4096
+"""Prompts up to this many characters are tokenised on the event loop (about 10 ms at worst); longer ones on
+the tokenizer thread, so that no single frame can stall every other client."""
+MAX_TOKENIZING = 64
+"""Long prompts waiting for the tokenizer thread at most; more get QUEUE_FULL."""
+MONITOR_ADDRESS = "inproc://ringstream-client-connections"
+"""Where the client socket's monitor (connection accepted / closed events) publishes."""
+CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+MONITOR_EVENT = struct.Struct("=HI")
+"""First frame of a ZeroMQ monitor message: event id (u16), value (u32, the connection's fd here)."""
 
 
 def policy_of(config: Config) -> SchedulerPolicy:
@@ -128,6 +157,8 @@ class ClientState:
     last_seen: float
     requests: dict[str, Request] = field(default_factory=dict)
     blocked_since: float = 0.0
+    connection: int | None = None
+    """Serial of the connection this identity's requests arrived on (None: not tracked)."""
 
 
 class Front:
@@ -152,14 +183,27 @@ class Front:
         self.workers: list[WorkerProcess] = []
         self.counters = dict(requests_total=0, tokens_generated_total=0, dropped_frames_total=0,
                              invalid_requests_total=0, stale_records_total=0, preemptions_total=0,
-                             worker_restarts_total=0)
+                             worker_restarts_total=0, internal_errors_total=0, client_sends_blocked_total=0,
+                             clients_disconnected_total=0, clients_stuck_total=0)
         self.model: ModelInfo | None = None
         self.validator: Validator | None = None
         self.lock: InstanceLock | None = None
         self.router: zmq.asyncio.Socket | None = None
         self.events: zmq.asyncio.Socket | None = None
+        self.monitor: zmq.Socket | None = None
+        self.authenticator = None
+        self.connections: dict[int, int] = {}
+        """Open client connections: file descriptor -> connection serial."""
+        self.connection_identity: dict[int, bytes] = {}
+        """Connection serial -> the identity its last message carried."""
+        self.connection_serials = itertools.count(1)
+        self.tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ringstream-tokenize")
+        self.tokenizing = 0
+        """Long prompts handed to the tokenizer thread and not yet back."""
         self.metrics = Metrics()
         self.notifier = Notifier()
+        self.owned_paths: list[str] = []
+        """ipc socket files this daemon bound, removed at stop."""
         self.watchdog_gate = WatchdogGate(self.notifier)
         self.housekeeping_tick = time.monotonic()
 
@@ -214,6 +258,9 @@ class Front:
         except Exception as exc:
             raise StartupError(str(exc)) from exc
         devices = parse_devices(config.devices)
+        soft, raised_from = ensure_open_files(open_files_needed(config.max_clients, len(devices)))
+        if raised_from is not None:
+            log.info("raised the open-file limit from %d to %d (max_clients = %d)", raised_from, soft, config.max_clients)
         if config.metrics_port is not None:
             try:
                 self.metrics.serve(config.metrics_port)
@@ -222,6 +269,7 @@ class Front:
         self.events = self.ctx.socket(zmq.PULL)
         event_address = f"ipc://{rundir / f'{config.instance}.events'}"
         self.events.bind(event_address)
+        self.owned_paths.append(event_address[len("ipc://"):])
         self.workers = create_workers(config, devices, str(self.model.path), self.ctx, rundir, event_address)
         self.scheduler.workers = [WorkerBudget(w.index) for w in self.workers]
         self.router = self.ctx.socket(zmq.ROUTER)
@@ -229,18 +277,66 @@ class Front:
         self.router.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)
         self.router.setsockopt(zmq.SNDHWM, CLIENT_SNDHWM)
         self.router.setsockopt(zmq.LINGER, 0)
+        if config.curve_secret_key_file is not None:
+            self._setup_curve()
+        loop = asyncio.get_running_loop()
+        self.router.monitor(MONITOR_ADDRESS, CONNECTION_EVENTS)
+        self.monitor = zmq.Socket(self.ctx, zmq.PAIR)  # a plain socket: drained synchronously, see _poll_connections
+        self.monitor.connect(MONITOR_ADDRESS)
+        loop.add_reader(self.monitor.getsockopt(zmq.FD), self._poll_connections)
         address = config.address()
         if address.startswith("ipc://"):
-            os.makedirs(os.path.dirname(address[len("ipc://"):]), mode=0o700, exist_ok=True)
-        self.router.bind(address)
-        if address.startswith("ipc://"):
-            os.chmod(address[len("ipc://"):], config.socket_mode)
-        loop = asyncio.get_running_loop()
+            path = address[len("ipc://"):]
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            refuse_live_socket(path)
+            umask = os.umask(0o777 & ~config.socket_mode)  # the socket file never exists with a wider mode
+            try:
+                self.router.bind(address)
+            finally:
+                os.umask(umask)
+            self.owned_paths.append(path)
+            os.chmod(path, config.socket_mode)
+        else:
+            self.router.bind(address)
         for worker in self.workers:
             worker.ring.arm()
             spawn(worker)
             loop.add_reader(worker.process.sentinel, self._on_worker_exit, worker)
         log.info("listening on %s; model %s; %d worker(s) on %s", address, self.model.path, len(devices), ",".join(devices))
+
+    def _setup_curve(self) -> None:
+        """CURVE on the client socket: the server's key pair, and a ZAP handler allowing the listed client keys.
+
+        Raises StartupError for an unreadable certificate or allow-list directory.
+        """
+        import zmq.auth
+        from zmq.auth.asyncio import AsyncioAuthenticator
+
+        config = self.config
+        try:
+            public, secret = zmq.auth.load_certificate(config.curve_secret_key_file)
+        except (OSError, ValueError) as exc:
+            raise StartupError(f"curve_secret_key_file {config.curve_secret_key_file}: {exc}") from exc
+        if not secret:
+            raise StartupError(f"curve_secret_key_file {config.curve_secret_key_file}: holds no secret key")
+        if not os.path.isdir(config.curve_allowed_clients_dir):
+            raise StartupError(f"curve_allowed_clients_dir {config.curve_allowed_clients_dir}: not a directory")
+        self.authenticator = AsyncioAuthenticator(self.ctx, log=logging.getLogger("ringstream.auth"))
+        self.authenticator.start()
+        self._load_allowed_clients()
+        self.router.curve_secretkey = secret
+        self.router.curve_publickey = public
+        self.router.curve_server = True
+
+    def _load_allowed_clients(self) -> None:
+        """(Re)read the public keys (``*.key`` certificates) that may connect over CURVE."""
+        directory = self.config.curve_allowed_clients_dir
+        self.authenticator.configure_curve(domain="*", location=directory)
+        allowed = self.authenticator.certs.get("*", {})
+        if not allowed:
+            log.warning("curve_allowed_clients_dir %s lists no client key: no client can connect", directory)
+        else:
+            log.info("CURVE: %d client key(s) allowed from %s", len(allowed), directory)
 
     async def _drain(self) -> None:
         """Graceful stop: refuse new work, let running streams finish, then end the rest."""
@@ -249,7 +345,7 @@ class Front:
             self.scheduler.remove(req)
             self._end(req, P.Error(id=req.id, code=P.ErrorCode.SHUTTING_DOWN, message="daemon is shutting down"))
         deadline = time.monotonic() + self.config.drain_timeout_s
-        while self.by_handle and time.monotonic() < deadline:
+        while (self.by_handle or self.tokenizing) and time.monotonic() < deadline:
             await asyncio.sleep(HOUSEKEEPING_S)
             for req in self.scheduler.waiting():  # preempted ones back in the queue: nothing more runs
                 self.scheduler.remove(req)
@@ -280,10 +376,20 @@ class Front:
             await asyncio.gather(*(asyncio.to_thread(stop_process, w) for w in self.workers))
         finally:
             release_workers(self.workers)
+            if self.monitor is not None:
+                loop.remove_reader(self.monitor.getsockopt(zmq.FD))
+                self.router.disable_monitor()
+                self.monitor.close(linger=0)
+            if self.authenticator is not None:
+                self.authenticator.stop()
+            self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
             for sock in (self.router, self.events):
                 if sock is not None:
                     sock.close(linger=0)
             self.ctx.term()
+            for path in self.owned_paths:  # libzmq leaves the files of closed ipc sockets behind
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
             if self.lock is not None:
                 self.lock.release()
             self.metrics.close()
@@ -333,7 +439,10 @@ class Front:
         loop.remove_reader(worker.process.sentinel)
         worker.alive = False
         self.scheduler.workers[worker.index].ready = False
-        log.error("worker %d (pid %d) exited with code %s", worker.index, worker.pid, worker.process.exitcode)
+        worker.process.join(EXIT_REAP_S)  # the sentinel fired: reaping is immediate, and sets exitcode
+        code = worker.process.exitcode
+        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        log.error("worker %d (pid %d) exited: %s", worker.index, worker.pid, how)
         self._read_ring(worker)
         orphans = self.scheduler.clear_worker(worker.index)
         orphans += [r for r in self.by_handle.values() if r.preempted_from == worker.index]
@@ -375,6 +484,7 @@ class Front:
 
     def _read_ring(self, worker: WorkerProcess) -> None:
         """Consume every published record of ``worker``'s ring, then re-arm its doorbell."""
+        self._poll_connections()  # a closed connection's requests must not stream to its identity's next one
         ring = worker.ring
         ring.disarm()
         self.read_time = time.monotonic()
@@ -441,13 +551,59 @@ class Front:
 
     async def _client_loop(self) -> None:
         while True:
-            frames = await self.router.recv_multipart()
-            self._on_frames(frames)
+            parts = await self.router.recv_multipart(copy=False)
+            self._poll_connections()
+            connection = self._connection_of(parts[-1])
+            frames = [part.bytes for part in parts]
+            try:
+                self._on_frames(frames, connection)
+            except Exception:
+                # A bug met by one frame must not end the loop that serves every client.
+                log.exception("internal error handling a frame from client %s", frames[0].hex())
+                self.counters["internal_errors_total"] += 1
+                self.metrics.dropped.labels("internal_error").inc()
+                self._reply(frames[0], P.Error(id=None, code=P.ErrorCode.INTERNAL, message="internal error"))
 
-    def _on_frames(self, frames: list[bytes]) -> None:
+    def _connection_of(self, part: zmq.Frame) -> int | None:
+        """Serial of the connection a received message came through (None if unknown)."""
+        try:
+            fd = part.get(zmq.SRCFD)
+        except zmq.ZMQError:
+            return None
+        return self.connections.get(fd)
+
+    def _poll_connections(self) -> None:
+        """Apply every pending connection event of the client socket (never blocks).
+
+        Called before each client message and before chunks are sent, so a
+        connection's close is known before anything reaches a later
+        connection of the same identity.
+        """
+        while True:
+            try:
+                event_frame, _endpoint = self.monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event, fd = MONITOR_EVENT.unpack(event_frame)
+            if event == zmq.EVENT_ACCEPTED:
+                self.connections[fd] = next(self.connection_serials)
+            elif event == zmq.EVENT_DISCONNECTED:
+                serial = self.connections.pop(fd, None)
+                identity = self.connection_identity.pop(serial, None)
+                client = self.clients.get(identity) if identity is not None else None
+                if client is not None and client.connection == serial:
+                    self.counters["clients_disconnected_total"] += 1
+                    self._client_gone(identity, "disconnected")
+
+    def _on_frames(self, frames: list[bytes], connection: int | None = None) -> None:
         identity = frames[0]
         now = time.monotonic()
         client = self.clients.get(identity)
+        if connection is not None:
+            self.connection_identity[connection] = identity
+            if client is not None and client.connection not in (None, connection):
+                self._client_gone(identity, "connected again")  # its previous connection's requests end unseen
+                client = None
         if client is not None:
             client.last_seen = now
         if len(frames) != 2:
@@ -468,21 +624,27 @@ class Front:
             return
         match msg:
             case P.Generate():
-                self._on_generate(identity, msg, now)
+                self._on_generate(identity, msg, now, connection)
             case P.Cancel(id=rid):
                 req = client.requests.get(rid) if client else None
                 if req is None:
                     self._reply(identity, P.Error(id=rid, code=P.ErrorCode.UNKNOWN_REQUEST, message=f"no open request {rid!r}"))
                 else:
                     self._abort(req, P.FinishReason.CANCELLED)
-            case P.Heartbeat():
+            case P.Heartbeat(open_ids=open_ids):
                 self._reply(identity, P.HeartbeatAck())
+                known = client.requests if client is not None else {}
+                for rid in open_ids:
+                    if rid not in known:
+                        self._reply(identity, P.Error(id=rid, code=P.ErrorCode.UNKNOWN_REQUEST,
+                                                      message=f"request {rid!r} is not known to this daemon "
+                                                              "(it restarted, or the request was cancelled)"))
             case P.Status():
                 self._reply(identity, self.status())
             case P.Admin(settings=settings):
                 self._on_admin(identity, settings)
 
-    def _on_generate(self, identity: bytes, msg: P.Generate, now: float) -> None:
+    def _on_generate(self, identity: bytes, msg: P.Generate, now: float, connection: int | None = None) -> None:
         client = self.clients.get(identity)
         if client is not None and msg.id in client.requests:
             self.counters["invalid_requests_total"] += 1
@@ -493,30 +655,88 @@ class Front:
         if self.state not in ("starting", "serving"):
             self._reply(identity, P.Error(id=msg.id, code=P.ErrorCode.SHUTTING_DOWN, message="daemon is shutting down"))
             return
+        req = Request(identity, msg.id, next(self.handles), msg, [], now)
+        if msg.prompt is not None and len(msg.prompt) > INLINE_TOKENIZE_CHARS:
+            self._tokenize_off_loop(req, connection)
+            return
         try:
-            prompt_ids = self.validator.check(msg, self.scheduler.max_request_tokens())
+            req.prompt_token_ids = self.validator.check(msg, self.scheduler.max_request_tokens())
         except RequestRejected as exc:
+            self._reject(req, exc.code, str(exc))
+            return
+        self._admit(req, connection)
+
+    def _reject(self, req: Request, code: P.ErrorCode, message: str) -> None:
+        """Refuse a request that was never admitted (it may hold its id while a long prompt is tokenised)."""
+        if code != P.ErrorCode.QUEUE_FULL:
             self.counters["invalid_requests_total"] += 1
             self.metrics.dropped.labels("invalid").inc()
-            self._reply(identity, P.Error(id=msg.id, code=exc.code, message=str(exc)))
-            return
-        req = Request(identity, msg.id, next(self.handles), msg, prompt_ids, now)
+        self._reply(req.client, P.Error(id=req.id, code=code, message=message))
+        self._forget(req)
+
+    def _admit(self, req: Request, connection: int | None) -> None:
+        """Queue a validated request (or refuse it with QUEUE_FULL) and register it with its client."""
         accepted, displaced = self.scheduler.add(req)
         if not accepted:
-            self._reply(identity, P.Error(id=msg.id, code=P.ErrorCode.QUEUE_FULL,
-                                          message=f"queue full ({self.scheduler.num_waiting} waiting)"))
+            self._reject(req, P.ErrorCode.QUEUE_FULL, f"queue full ({self.scheduler.num_waiting} waiting)")
             return
         if displaced is not None:
             self._end(displaced, P.Error(id=displaced.id, code=P.ErrorCode.QUEUE_FULL,
                                          message="displaced from the full queue by a more urgent request"))
+        client = self.clients.get(req.client)
         if client is None:
-            client = self.clients[identity] = ClientState(last_seen=now)
-        client.requests[msg.id] = req
+            client = self.clients[req.client] = ClientState(last_seen=time.monotonic(), connection=connection)
+        client.requests[req.id] = req
         self.by_handle[req.handle] = req
         self.counters["requests_total"] += 1
-        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
         self._start_timers(req)
         self._dispatch()
+
+    def _tokenize_off_loop(self, req: Request, connection: int | None) -> None:
+        """Tokenise a long prompt on the tokenizer thread; the request holds its id (Cancel finds it) meanwhile."""
+        limit = self.scheduler.max_request_tokens()
+        try:
+            self.validator.precheck(req.msg, self.validator.limit(limit))
+        except RequestRejected as exc:
+            self._reject(req, exc.code, str(exc))
+            return
+        if self.tokenizing >= MAX_TOKENIZING:
+            self._reject(req, P.ErrorCode.QUEUE_FULL, f"{self.tokenizing} long prompts are being tokenised already")
+            return
+        client = self.clients.get(req.client)
+        if client is None:
+            client = self.clients[req.client] = ClientState(last_seen=req.arrival, connection=connection)
+        client.requests[req.id] = req
+        self.tokenizing += 1
+        future = asyncio.get_running_loop().run_in_executor(
+            self.tokenizer_pool, functools.partial(self.validator.tokenize, req.msg.prompt, release_gil=True))
+        future.add_done_callback(functools.partial(self._on_tokenized, req, connection))
+
+    def _on_tokenized(self, req: Request, connection: int | None, future: asyncio.Future) -> None:
+        self.tokenizing -= 1
+        if future.cancelled() or not req.client:
+            return  # stopping, or the client is gone: nothing to answer
+        if req.abort_reason is not None:
+            self._finish(req, req.abort_reason)  # cancelled meanwhile
+            return
+        if self.state not in ("starting", "serving"):
+            self._reply(req.client, P.Error(id=req.id, code=P.ErrorCode.SHUTTING_DOWN, message="daemon is shutting down"))
+            self._forget(req)
+            return
+        try:
+            ids = future.result()
+            req.prompt_token_ids = self.validator.finish(req.msg, ids, self.validator.limit(self.scheduler.max_request_tokens()))
+        except RequestRejected as exc:
+            self._reject(req, exc.code, str(exc))
+            return
+        except Exception:
+            log.exception("tokenising the prompt of request %s failed", req.id)
+            self.counters["internal_errors_total"] += 1
+            self._reply(req.client, P.Error(id=req.id, code=P.ErrorCode.INTERNAL, message="tokenisation failed"))
+            self._forget(req)
+            return
+        self._admit(req, connection)
 
     def _start_timers(self, req: Request) -> None:
         """Deadlines: the daemon's defaults, shortened (never lengthened) by the request's own."""
@@ -626,6 +846,8 @@ class Front:
             if final is not None:
                 self._forget(req)
         elif result == "blocked":
+            if req.handle not in self.blocked:
+                self.counters["client_sends_blocked_total"] += 1
             self.blocked[req.handle] = req
             client = self.clients.get(req.client)
             if client and not client.blocked_since:
@@ -638,6 +860,7 @@ class Front:
 
     def _retry_blocked(self) -> None:
         self.retry_scheduled = False
+        self._poll_connections()
         for req in list(self.blocked.values()):
             if self.blocked.get(req.handle) is req:
                 self._flush(req)
@@ -648,17 +871,18 @@ class Front:
     def _forget(self, req: Request) -> None:
         client = self.clients.get(req.client)
         if client is not None:
-            client.requests.pop(req.id, None)
+            if client.requests.get(req.id) is req:
+                del client.requests[req.id]
             if not client.requests:
                 del self.clients[req.client]
         self.blocked.pop(req.handle, None)
 
-    def _client_gone(self, identity: bytes) -> None:
-        """The client vanished (unroutable or silent): cancel its requests, send nothing."""
+    def _client_gone(self, identity: bytes, why: str = "gone") -> None:
+        """The client vanished (unroutable, silent, disconnected): cancel its requests, send nothing."""
         client = self.clients.pop(identity, None)
         if client is None:
             return
-        log.info("client %s gone; cancelling %d request(s)", identity.hex(), len(client.requests))
+        log.info("client %s %s; cancelling %d request(s)", identity.hex(), why, len(client.requests))
         for req in client.requests.values():
             self.blocked.pop(req.handle, None)
             req.client = b""
@@ -690,11 +914,13 @@ class Front:
             self.housekeeping_tick = now
             self._update_gauges()
             for identity, client in list(self.clients.items()):
-                silent = now - client.last_seen > timeout
-                stuck = client.blocked_since and now - client.blocked_since > timeout
-                if silent or stuck:
-                    log.info("client %s %s for %.1f s", identity.hex(), "silent" if silent else "not reading", timeout)
-                    self._client_gone(identity)
+                stuck_s = now - client.blocked_since if client.blocked_since else 0.0
+                if now - client.last_seen > timeout:
+                    self._client_gone(identity, f"silent for {timeout:.1f} s")
+                elif stuck_s > STUCK_GIVE_UP_FACTOR * timeout:
+                    self._client_gone(identity, f"not reading for {stuck_s:.1f} s")
+                elif stuck_s > timeout:
+                    self._cancel_stuck(identity, client, stuck_s)
             for worker, budget in zip(self.workers, self.scheduler.workers):
                 if budget.ready and worker.alive and now - worker.last_heartbeat > self.config.worker_stall_timeout_s:
                     log.error("worker %d sent no heartbeat for %.0f s; killing it",
@@ -704,6 +930,16 @@ class Front:
             if self.state == "starting" and now > start_deadline:
                 log.error("workers not ready after %.0f s", self.config.worker_start_timeout_s)
                 self.request_stop(exit_code=1)
+
+    def _cancel_stuck(self, identity: bytes, client: ClientState, stuck_s: float) -> None:
+        """Cancel the requests of a client that reads nothing; their last chunks wait for it to read again."""
+        open_requests = [r for r in client.requests.values() if r.final is None and r.abort_reason is None]
+        if open_requests:
+            self.counters["clients_stuck_total"] += 1
+            log.info("client %s not reading for %.1f s; cancelling %d request(s)", identity.hex(), stuck_s,
+                     len(open_requests))
+        for req in open_requests:
+            self._abort(req, P.FinishReason.CANCELLED)
 
     def _update_gauges(self) -> None:
         m = self.metrics
@@ -782,6 +1018,8 @@ class Front:
                 self.notifier.ready(status="serving (settings reloaded)")
 
     def _reload(self) -> None:
+        if self.authenticator is not None:
+            self._load_allowed_clients()
         if self.config_path is None:
             log.warning("SIGHUP: no config file to reload")
             return
@@ -826,11 +1064,31 @@ class Front:
         )
 
 
+def refuse_live_socket(path: str) -> None:
+    """Raise StartupError if a process already listens on the unix socket ``path``.
+
+    ZeroMQ would silently unlink and re-bind it, stealing another daemon's
+    clients; a stale file (nobody listening) is fine to replace.
+    """
+    if not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return
+    except OSError as exc:
+        raise StartupError(f"socket {path}: {exc}") from exc
+    finally:
+        probe.close()
+    raise StartupError(f"socket {path} is in use by another process (another daemon?)")
+
+
 def _guess_id(frame: bytes) -> str | None:
     """Best-effort request id of an undecodable frame, so its sender can match the error."""
     try:
         raw = msgspec.msgpack.decode(frame)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # RecursionError: nesting deeper than the decoder allows
         return None
     if isinstance(raw, list) and len(raw) > 1 and isinstance(raw[1], str) and len(raw[1]) <= P.MAX_ID_CHARS:
         return raw[1] or None

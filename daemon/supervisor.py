@@ -10,10 +10,12 @@ join, SIGKILL.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import multiprocessing
 import os
+import resource
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -30,6 +32,12 @@ log = logging.getLogger("ringstream.supervisor")
 
 JOIN_GRACE_S = 5.0
 """How long a worker gets to exit after ``Shutdown``, and again after SIGTERM."""
+FRONT_OWN_FILES = 64
+"""Open files the front needs besides client connections and workers (ZeroMQ mailboxes and
+I/O threads, epoll, the lock, the log, the metrics exporter), with room to spare."""
+FILES_PER_WORKER = 8
+"""Open files the front holds per worker: command socket and its connection, event connection,
+ring, process sentinel and pipes."""
 
 
 class StartupError(Exception):
@@ -56,6 +64,34 @@ class InstanceLock:
             self.path.unlink(missing_ok=True)
             os.close(self.fd)
             self.fd = -1
+
+
+def open_files_needed(max_clients: int, num_workers: int) -> int:
+    """Open files the front needs to serve ``max_clients`` connections with ``num_workers`` workers."""
+    return max_clients + FRONT_OWN_FILES + FILES_PER_WORKER * num_workers
+
+
+def ensure_open_files(needed: int) -> tuple[int, int | None]:
+    """Make RLIMIT_NOFILE's soft limit at least ``needed``, raising it up to the hard limit if it is lower.
+
+    Returns ``(soft limit now, previous soft limit if it was raised else None)``.
+    Raises StartupError naming both limits when the hard limit is below ``needed``.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return soft, None
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        raise StartupError(
+            f"open-file limit too low: {needed} files needed for max_clients plus the daemon's own, "
+            f"hard limit (RLIMIT_NOFILE) is {hard}: raise it (ulimit -Hn, LimitNOFILE= in the unit) "
+            f"or lower max_clients"
+        )
+    target = needed if hard == resource.RLIM_INFINITY else hard
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as exc:
+        raise StartupError(f"cannot raise the open-file limit from {soft} to {target}: {exc}") from exc
+    return target, soft
 
 
 @dataclass
@@ -181,5 +217,7 @@ def release_workers(workers: list[WorkerProcess]) -> None:
     """Close command sockets, unlink rings. Call after every process is stopped."""
     for worker in workers:
         worker.commands.close(linger=0)
+        with contextlib.suppress(FileNotFoundError):  # libzmq leaves the socket file behind
+            os.unlink(worker.spec.command_address[len("ipc://"):])
         worker.ring.close()
         worker.ring.unlink()

@@ -42,8 +42,20 @@ class Validator:
         (0 before any worker reported; the model's context is used then).
         A text prompt so long that it cannot fit even at the longest token is
         refused before it is tokenised, so a huge prompt cannot stall the loop.
+        The three steps, :meth:`precheck`, :meth:`tokenize` and :meth:`finish`,
+        may also be called apart (the front tokenises long prompts on a thread).
         """
-        limit = min(context_tokens or self.max_model_len, self.max_model_len)
+        limit = self.limit(context_tokens)
+        self.precheck(msg, limit)
+        ids = self.tokenize(msg.prompt) if msg.prompt is not None else msg.prompt_token_ids
+        return self.finish(msg, ids, limit)
+
+    def limit(self, context_tokens: int = 0) -> int:
+        """Most prompt + max_tokens a request may have, tokens (see :meth:`check` for ``context_tokens``)."""
+        return min(context_tokens or self.max_model_len, self.max_model_len)
+
+    def precheck(self, msg: P.Generate, limit: int) -> None:
+        """The checks that need no tokenisation. Raises :class:`RequestRejected`."""
         if (msg.prompt is None) == (msg.prompt_token_ids is None):
             raise RequestRejected(P.ErrorCode.INVALID_REQUEST, "give exactly one of prompt or prompt_token_ids")
         if msg.prompt is not None:
@@ -52,11 +64,17 @@ class Validator:
             if len(msg.prompt) > limit * self.max_chars_per_token:
                 raise RequestRejected(P.ErrorCode.PROMPT_TOO_LONG,
                                       f"prompt of {len(msg.prompt)} characters cannot fit the context of {limit} tokens")
-            ids = self.tokenizer.encode(msg.prompt).ids
-        else:
-            ids = msg.prompt_token_ids
-            if not ids:
-                raise RequestRejected(P.ErrorCode.INVALID_REQUEST, "empty prompt_token_ids")
+        elif not msg.prompt_token_ids:
+            raise RequestRejected(P.ErrorCode.INVALID_REQUEST, "empty prompt_token_ids")
+
+    def tokenize(self, prompt: str, *, release_gil: bool = False) -> list[int]:
+        """Token ids of a text prompt (special tokens added). ``release_gil``: let other threads run meanwhile."""
+        if release_gil:
+            return self.tokenizer.encode_batch([prompt])[0].ids
+        return self.tokenizer.encode(prompt).ids
+
+    def finish(self, msg: P.Generate, ids: list[int], limit: int) -> list[int]:
+        """Check the prompt's token ids against the vocabulary and ``limit``; returns them. Raises RequestRejected."""
         for name, values in (("prompt_token_ids", ids), ("stop_token_ids", msg.stop_token_ids)):
             if values and max(values) >= self.vocab_size:
                 raise RequestRejected(P.ErrorCode.INVALID_REQUEST,

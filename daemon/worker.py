@@ -13,7 +13,13 @@ boundaries (sockets stay out of the engine loop):
 
 When the ring is full the worker waits for a ``RingSpace`` doorbell: nothing is
 ever overwritten. It exits when told to, on SIGTERM, or when the front dies
-(``PR_SET_PDEATHSIG`` plus a parent-pid check each loop).
+(``PR_SET_PDEATHSIG`` plus a parent-pid check each loop). Until it has
+started, SIGTERM (the front's death included) ends it at once, so a worker of
+a dead front never reports to, or takes commands from, the next one.
+
+Test hook: the environment variable ``RINGSTREAM_FAULT_INJECT`` (read only
+when set, for fault-injection tests) makes engine steps fail on purpose, see
+:class:`FaultInjector`. Production deployments leave it unset.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from ipc.ring import KIND_ERROR, KIND_FINISH, KIND_TOKEN, RingProducer
 log = logging.getLogger("ringstream.worker")
 
 PR_SET_PDEATHSIG = 1
+FAULT_INJECT_ENV = "RINGSTREAM_FAULT_INJECT"
+"""Test hook: ``step_exception_every=N[,worker=I]``, see :class:`FaultInjector`."""
 WAIT_SPACE_POLL_MS = 1000
 """While waiting for ring space, re-check that the front lives this often."""
 
@@ -101,6 +109,53 @@ class FrontGone(Exception):
     """The front process died or asked the worker to stop."""
 
 
+class InjectedFault(RuntimeError):
+    """The failure :class:`FaultInjector` raises inside an engine step."""
+
+
+class FaultInjector:
+    """Test hook: every ``step_exception_every``-th engine step raises :class:`InjectedFault`.
+
+    Configured by ``RINGSTREAM_FAULT_INJECT="step_exception_every=N[,worker=I]"``
+    (``worker``: only the worker of that index; default every worker). The
+    exception is raised after the engine ran the step, so that step's tokens
+    are lost, as in a real failure mid-step. Raises ValueError for a spec it
+    cannot parse.
+    """
+
+    def __init__(self, spec: str) -> None:
+        fields = {}
+        for item in filter(None, (part.strip() for part in spec.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep or key not in ("step_exception_every", "worker") or key in fields:
+                raise ValueError(f"{FAULT_INJECT_ENV}={spec!r}: use step_exception_every=N[,worker=I]")
+            fields[key] = int(value)
+        if fields.get("step_exception_every", 0) < 1:
+            raise ValueError(f"{FAULT_INJECT_ENV}={spec!r}: step_exception_every must be >= 1")
+        self.every = fields["step_exception_every"]
+        self.worker = fields.get("worker")
+        self.steps = 0
+
+    @classmethod
+    def from_env(cls, worker_index: int) -> "FaultInjector | None":
+        """The injector the environment asks for this worker, or None (the normal case)."""
+        spec = os.environ.get(FAULT_INJECT_ENV)
+        if not spec:
+            return None
+        injector = cls(spec)
+        return injector if injector.worker in (None, worker_index) else None
+
+    def wrap(self, step):
+        """``step`` (an engine's ``step`` method), failing every ``every``-th call after it ran."""
+        def faulty_step():
+            outputs = step()
+            self.steps += 1
+            if self.steps % self.every == 0:
+                raise InjectedFault(f"injected fault at engine step {self.steps} ({FAULT_INJECT_ENV})")
+            return outputs
+        return faulty_step
+
+
 def worker_main(spec: WorkerSpec) -> None:
     """Entry point of the spawned worker process; exits the process when done."""
     logging.basicConfig(
@@ -110,6 +165,8 @@ def worker_main(spec: WorkerSpec) -> None:
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the front drains
     _die_with_parent()
+    if os.getppid() != spec.parent_pid:
+        sys.exit(0)  # the front died before the death signal was armed
     worker = Worker(spec)
     code = 0
     try:
@@ -152,7 +209,7 @@ class Worker:
         self.unpublished = False
         self.steps = 0
         self.next_heartbeat = 0.0
-        signal.signal(signal.SIGTERM, self._on_sigterm)
+        self.fault: FaultInjector | None = None
 
     def _on_sigterm(self, signum, frame) -> None:
         self.stopping = True
@@ -180,6 +237,7 @@ class Worker:
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()
+            self.fault = FaultInjector.from_env(spec.index)
             if spec.device == "cpu":
                 torch.set_num_threads(spec.threads)
             elif not torch.cuda.is_available() or int(spec.device.split(":")[1]) >= torch.cuda.device_count():
@@ -204,7 +262,14 @@ class Worker:
                     seed=spec.seed,
                 )
             self.engine.warmup()
+            if self.fault is not None:
+                log.warning("test hook %s active: every %d-th engine step fails", FAULT_INJECT_ENV, self.fault.every)
+                self.engine.step = self.fault.wrap(self.engine.step)
+            if os.getppid() != spec.parent_pid:
+                raise FrontGone  # the front that started this worker is gone: report nothing to a successor
             self.ring = RingProducer.attach(spec.ring_name, instance_id=spec.ring_instance_id)
+        except FrontGone:
+            raise
         except Exception as exc:
             log.error("cannot start on %s: %s", spec.device, exc)
             self._send(P.WorkerStartFailed(worker=spec.index, message=f"{type(exc).__name__}: {exc}"))
@@ -221,6 +286,9 @@ class Worker:
 
     def run(self) -> None:
         self.start()
+        signal.signal(signal.SIGTERM, self._on_sigterm)  # from now on: finish the step, then exit
+        if self.stopping or os.getppid() != self.spec.parent_pid:
+            raise FrontGone
         engine = self.engine
         idle_ms = int(self.spec.heartbeat_s * 1000)
         while True:

@@ -10,6 +10,17 @@ Two flavours over one ZeroMQ DEALER socket each:
   iterating for longer than the daemon's ``client_timeout_s`` (10 s by
   default) has its requests cancelled, as any client that stops reading.
 
+Over TCP to a daemon with CURVE configured, pass the server's public key and
+this client's key pair (``curve_server_key``, ``curve_public_key``,
+``curve_secret_key``: Z85 bytes, as ``zmq.auth.load_certificate`` returns);
+a client whose key the daemon does not list gets no answer at all
+(:class:`DaemonUnavailable` after ``timeout_s``).
+
+One connection at a time per ``identity``: the daemon refuses a second
+connection claiming an identity that is connected already (it gets no answer),
+and cancels an identity's requests when its connection closes, so a client
+that connects again with the same identity starts afresh.
+
 Both check that each stream's chunks arrive with ``seq`` 0, 1, 2... and end
 with exactly one terminal message, and raise a typed :class:`ServerError`
 subclass for an error code. Leaving a stream early (``break``, an exception,
@@ -147,6 +158,26 @@ def _new_identity() -> bytes:
     return b"rs-" + os.urandom(8).hex().encode()
 
 
+def _dealer(ctx: zmq.Context, address: str, identity: bytes | None, curve_server_key: bytes | None,
+            curve_public_key: bytes | None, curve_secret_key: bytes | None) -> zmq.Socket:
+    """A DEALER socket connected to ``address``, CURVE-secured when keys are given.
+
+    Raises ValueError unless all three CURVE keys or none are given.
+    """
+    keys = (curve_server_key, curve_public_key, curve_secret_key)
+    if any(k is not None for k in keys) and not all(k is not None for k in keys):
+        raise ValueError("CURVE needs curve_server_key, curve_public_key and curve_secret_key together")
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, identity or _new_identity())
+    sock.setsockopt(zmq.LINGER, 0)
+    if curve_server_key is not None:
+        sock.curve_serverkey = curve_server_key
+        sock.curve_publickey = curve_public_key
+        sock.curve_secretkey = curve_secret_key
+    sock.connect(address)
+    return sock
+
+
 def _generate_message(rid: str, prompt: str | None, prompt_token_ids: list[int] | None, params: dict) -> P.Generate:
     try:
         return P.Generate(id=rid, prompt=prompt, prompt_token_ids=prompt_token_ids, **params)
@@ -168,19 +199,24 @@ class AsyncClient:
     ``address``: the daemon's ZeroMQ address (default: the instance's
     socket, see :func:`ipc.address.default_socket`). ``identity``: a fixed
     ZeroMQ routing id (default: random per client). ``heartbeat_s`` and
-    ``timeout_s`` in seconds.
+    ``timeout_s`` in seconds. ``curve_*``: CURVE keys (Z85 bytes), see the
+    module docstring; ValueError unless all three or none are given.
     """
 
     def __init__(self, address: str | None = None, *, instance: str = "default", identity: bytes | None = None,
-                 heartbeat_s: float = DEFAULT_HEARTBEAT_S, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 heartbeat_s: float = DEFAULT_HEARTBEAT_S, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 curve_server_key: bytes | None = None, curve_public_key: bytes | None = None,
+                 curve_secret_key: bytes | None = None) -> None:
         self.address = address or default_socket(instance)
         self.heartbeat_s = heartbeat_s
         self.timeout_s = timeout_s
         self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.ROUTING_ID, identity or _new_identity())
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(self.address)
+        try:
+            self._sock = _dealer(self._ctx, self.address, identity, curve_server_key, curve_public_key,
+                                 curve_secret_key)
+        except ValueError:
+            self._ctx.term()
+            raise
         self._streams: dict[str, asyncio.Queue] = {}
         self._status_waiters: deque[asyncio.Future] = deque()
         self._ids = itertools.count()
@@ -241,17 +277,19 @@ class AsyncClient:
         while True:
             await asyncio.sleep(self.heartbeat_s)
             if self._streams:
-                self._send_nowait(P.Heartbeat())
+                self._send_nowait(P.Heartbeat(open_ids=list(self._streams)))
 
     async def _wait(self, awaitable: asyncio.Future):
         """Await a reply, raising DaemonUnavailable if the daemon stays silent for ``timeout_s``."""
-        while True:
-            done, _ = await asyncio.wait({awaitable}, timeout=self.heartbeat_s)
-            if done:
-                return awaitable.result()
-            if time.monotonic() - self._last_rx > self.timeout_s:
-                awaitable.cancel()
-                raise DaemonUnavailable(f"no answer from {self.address} for {self.timeout_s:.0f} s")
+        try:
+            while True:
+                done, _ = await asyncio.wait({awaitable}, timeout=self.heartbeat_s)
+                if done:
+                    return awaitable.result()
+                if time.monotonic() - self._last_rx > self.timeout_s:
+                    raise DaemonUnavailable(f"no answer from {self.address} for {self.timeout_s:.0f} s")
+        finally:
+            awaitable.cancel()  # no-op when done; stops the inner get() when the caller is cancelled
 
     async def generate(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
                        id: str | None = None, **params) -> AsyncIterator[P.Chunk]:
@@ -317,18 +355,25 @@ class AsyncClient:
 
 
 class Client:
-    """Blocking client for one thread; see the module docstring. Use as a context manager."""
+    """Blocking client for one thread; see the module docstring. Use as a context manager.
+
+    Arguments as :class:`AsyncClient`'s.
+    """
 
     def __init__(self, address: str | None = None, *, instance: str = "default", identity: bytes | None = None,
-                 heartbeat_s: float = DEFAULT_HEARTBEAT_S, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 heartbeat_s: float = DEFAULT_HEARTBEAT_S, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 curve_server_key: bytes | None = None, curve_public_key: bytes | None = None,
+                 curve_secret_key: bytes | None = None) -> None:
         self.address = address or default_socket(instance)
         self.heartbeat_s = heartbeat_s
         self.timeout_s = timeout_s
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.ROUTING_ID, identity or _new_identity())
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(self.address)
+        try:
+            self._sock = _dealer(self._ctx, self.address, identity, curve_server_key, curve_public_key,
+                                 curve_secret_key)
+        except ValueError:
+            self._ctx.term()
+            raise
         self._streams: dict[str, _Stream] = {}
         self._status: deque[P.StatusReply] = deque()
         self._ids = itertools.count()
@@ -359,7 +404,7 @@ class Client:
         while True:
             if self._streams and time.monotonic() - self._last_heartbeat >= self.heartbeat_s:
                 self._last_heartbeat = time.monotonic()
-                self._send(P.Heartbeat())
+                self._send(P.Heartbeat(open_ids=list(self._streams)))
             if self._sock.poll(int(self.heartbeat_s * 1000)):
                 break
             if time.monotonic() - last_rx > self.timeout_s:

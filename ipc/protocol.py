@@ -48,6 +48,7 @@ MAX_TEMPERATURE = 100.0
 MAX_TOKEN_ID = 2**31 - 1
 MAX_SEED = 2**63 - 1
 MAX_ADMIN_SETTINGS = 32
+MAX_OPEN_IDS = 65_536
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
 TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
@@ -133,8 +134,12 @@ class Heartbeat(Struct, tag="heartbeat", **_WIRE):
     """Sent by a client with open requests at least every ``client_timeout_s / 3``.
 
     The front answers with :class:`HeartbeatAck`, so a client can tell that
-    the daemon is alive too.
+    the daemon is alive too. ``open_ids`` lists the client's open requests:
+    the front answers each id it does not know (e.g. after a daemon restart)
+    with ``UNKNOWN_REQUEST``, so no stream waits forever for a lost request.
     """
+
+    open_ids: Annotated[list[RequestId], Meta(max_length=MAX_OPEN_IDS)] = []
 
 
 class Status(Struct, tag="status", **_WIRE):
@@ -372,7 +377,7 @@ def explain(error: msgspec.DecodeError, frame: bytes) -> str:
     try:
         tag = msgspec.msgpack.decode(frame)[0]
         field = _CLIENT_FIELDS[tag][int(match.group(1)) - 1]
-    except (msgspec.DecodeError, LookupError, TypeError):
+    except (msgspec.DecodeError, RecursionError, LookupError, TypeError):  # RecursionError: too deeply nested
         return text
     return text[: match.start()] + f"`{field}" + text[match.end():]
 

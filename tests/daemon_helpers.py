@@ -87,10 +87,12 @@ class Daemon:
 
 
 @contextlib.contextmanager
-def running_daemon(tmp_path: Path, *args: str, ready: bool = True, env: dict | None = None):
+def running_daemon(tmp_path: Path, *args: str, ready: bool = True, env: dict | None = None,
+                   preexec_fn=None):
     """Run ``ringstream serve ARGS`` for the duration of the ``with`` block; yields a :class:`Daemon`.
 
-    ``env``: extra environment variables for the daemon.
+    ``env``: extra environment variables for the daemon. ``preexec_fn``: run in
+    the daemon's process before it starts (e.g. to lower a resource limit).
     """
     instance = args[list(args).index("--instance") + 1] if "--instance" in args else f"t{uuid.uuid4().hex[:10]}"
     address = f"ipc://{tmp_path}/{instance}.sock"
@@ -98,7 +100,7 @@ def running_daemon(tmp_path: Path, *args: str, ready: bool = True, env: dict | N
     env = dict(os.environ, XDG_RUNTIME_DIR=str(tmp_path), **(env or {}))
     cmd = [sys.executable, "-m", "daemon.cli", "serve", "--instance", instance, "--socket", address, *args]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec_fn)
     daemon = Daemon(proc, address, instance, log_path)
     children: list[int] = []
     clean_exit = False

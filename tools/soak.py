@@ -188,6 +188,8 @@ class HostileFrame:
     kind: str
     parts: list[bytes]
     codes: frozenset[str]
+    deferred_id: str | None = None
+    """Request id of a frame whose answer may come after later frames' (a long prompt tokenised off the loop)."""
 
 
 INVALID = frozenset({P.ErrorCode.INVALID_REQUEST.value})
@@ -322,7 +324,8 @@ def _cancel_unknown(rng: random.Random, victim: str) -> HostileFrame:
 def _costly_prompt(rng: random.Random, victim: str) -> HostileFrame:
     """A prompt just under the daemon's character bound: it must be tokenised before it is refused."""
     text = "".join(rng.choices(COSTLY_ALPHABET, k=COSTLY_PROMPT_CHARS))
-    return _frame("costly_prompt", _pack(generate_array(id=f"c{rng.randrange(10**6)}", prompt=text)), TOO_LONG)
+    rid = f"c{rng.randrange(10**9)}"
+    return HostileFrame("costly_prompt", [_pack(generate_array(id=rid, prompt=text))], TOO_LONG, deferred_id=rid)
 
 
 COSTLY_PROMPT_CHARS = 30_000
@@ -388,8 +391,9 @@ def raw_socket(ctx: zmq.Context, address: str, identity: bytes | None = None, **
 def run_barrage(address: str, frames: list[HostileFrame], sockets: int = 4) -> BarrageResult:
     """Send ``frames`` round-robin over ``sockets`` DEALER sockets; check each answer in order.
 
-    A ROUTER answers one connection's frames in the order it read them, so
-    the i-th answer on a socket belongs to the i-th frame sent on it.
+    The front answers one connection's frames in the order it read them, so
+    the i-th answer on a socket belongs to the i-th frame sent on it, except
+    for long prompts (tokenised off the loop), matched by their request id.
     """
     result = BarrageResult()
     ctx = zmq.Context()
@@ -434,15 +438,19 @@ def run_barrage(address: str, frames: list[HostileFrame], sockets: int = 4) -> B
 
 
 def _check_answer(result: BarrageResult, pending: list[HostileFrame], reply: bytes) -> None:
-    if not pending:
-        result.wrong.append(f"extra answer {reply[:80]!r}")
-        return
-    frame = pending.pop(0)
     try:
         msg = P.SERVER_DECODER.decode(reply)
     except msgspec.DecodeError as exc:
-        result.wrong.append(f"{frame.kind}: undecodable answer ({exc})")
+        result.wrong.append(f"undecodable answer ({exc})")
         return
+    rid = getattr(msg, "id", None)
+    matches = [f for f in pending if f.deferred_id is not None and f.deferred_id == rid]
+    matches = matches or [f for f in pending if f.deferred_id is None][:1]
+    if not matches:
+        result.wrong.append(f"extra answer {msg}")
+        return
+    frame = matches[0]
+    pending.remove(frame)
     if not isinstance(msg, P.Error):
         result.wrong.append(f"{frame.kind}: answered with {type(msg).__name__}, not an Error")
         return
@@ -452,24 +460,32 @@ def _check_answer(result: BarrageResult, pending: list[HostileFrame], reply: byt
         result.wrong.append(f"{frame.kind}: {msg.code.value} ({msg.message[:100]}), expected {sorted(frame.codes)}")
 
 
-def oversize_frames(address: str, count: int, frame_bytes: int = P.MAX_FRAME_BYTES + 1) -> int:
-    """Send ``count`` frames over ZeroMQ's size limit, one per fresh connection; return answers received (0 expected).
+def oversize_frames(address: str, count: int, frame_bytes: int = P.MAX_FRAME_BYTES + 1) -> tuple[int, int]:
+    """Send ``count`` frames over the daemon's size limit, one per fresh connection.
 
-    The daemon's socket refuses such a frame by closing the connection
-    (``MAXMSGSIZE``); each one shows as a closed connection in its counters.
+    Returns ``(answers, closed)``: answers received (0 expected) and
+    connections the daemon closed (``count`` expected: ZeroMQ refuses such a
+    frame, ``MAXMSGSIZE``, by closing the connection before the front sees it).
     """
     ctx = zmq.Context()
-    answers = 0
+    answers = closed = 0
     try:
         for _ in range(count):
             sock = raw_socket(ctx, address)
-            sock.send(b"\x00" * frame_bytes)
-            if sock.poll(300):
-                answers += 1
-            sock.close(linger=0)
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            try:
+                sock.send(b"\x00" * frame_bytes)
+                if monitor.poll(int(REPLY_TIMEOUT_S * 1000)):
+                    closed += 1
+                if sock.poll(100):
+                    answers += 1
+            finally:
+                sock.disable_monitor()
+                monitor.close(linger=0)
+                sock.close(linger=0)
     finally:
         ctx.term()
-    return answers
+    return answers, closed
 
 
 # --------------------------------------------------------------------------- probes and load
@@ -737,13 +753,13 @@ def soak_hostile(workdir: Path, seconds: float) -> dict:
                 results.unanswered += batch.unanswered
                 seed += 1
             rtts = probe()
-        oversize_answers = oversize_frames(daemon.address, 5)
+        oversize_answers, oversize_closed = oversize_frames(daemon.address, 5)
         rss_after = _rss_mib(daemon)
     differing = [r for r in victim.results if r is None or (r.text, r.token_ids) != (solo.text, solo.token_ids)]
     return dict(
         phase="hostile", seconds=seconds, frames=results.total, answered=sum(results.answered.values()),
         wrong_answers=len(results.wrong), unanswered=results.unanswered, examples=results.wrong[:5],
-        oversize_answers=oversize_answers, victim_streams=len(victim.results), victim_streams_differing=len(differing),
+        oversize_answers=oversize_answers, oversize_connections_closed=oversize_closed, victim_streams=len(victim.results), victim_streams_differing=len(differing),
         heartbeat_rtt_p99_ms=round(percentile(rtts, 99) * 1000, 2), heartbeat_rtt_max_ms=round(max(rtts) * 1000, 2),
         rss_before_mib=rss_before, rss_after_mib=rss_after, leftovers=daemon.leftovers,
     )

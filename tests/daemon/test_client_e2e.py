@@ -1,0 +1,93 @@
+"""Client behaviour against real daemons: restarts, socket ownership, cancellation, leftovers."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq
+
+from ipc import protocol as P
+from ipc.client import AsyncClient, Client, UnknownRequest
+from tests.daemon_helpers import running_daemon, wait_exit
+
+
+def test_streams_of_a_crashed_daemon_end_after_its_restart(tmp_path):
+    with running_daemon(tmp_path) as first:
+        client = Client(first.address, heartbeat_s=0.3, timeout_s=60)
+        try:
+            stream = client.generate("Return the", max_tokens=400, temperature=0.0, ignore_eos=True)
+            next(stream)
+            workers = first.worker_pids()
+            first.proc.kill()
+            first.proc.wait()
+            assert not wait_exit(workers, 5.0)
+            with running_daemon(tmp_path, "--instance", first.instance):
+                start = time.monotonic()
+                with pytest.raises(UnknownRequest):
+                    for _ in stream:
+                        pass
+                assert time.monotonic() - start < 10, "the lost stream waited too long"
+        finally:
+            client.close()
+
+
+def test_a_second_daemon_cannot_take_over_a_live_socket(tmp_path):
+    with running_daemon(tmp_path) as first:
+        cmd = [sys.executable, "-m", "daemon.cli", "serve", "--instance", "intruder", "--socket", first.address]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                             env={"XDG_RUNTIME_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"})
+        assert out.returncode == 1 and "in use" in out.stderr, out.stderr
+        with Client(first.address) as client:
+            assert client.status().ready  # the first daemon still owns its socket
+
+
+def test_cancelled_async_requests_leave_no_pending_tasks(tmp_path):
+    with running_daemon(tmp_path) as d:
+
+        async def main():
+            async with AsyncClient(d.address) as client:
+                for _ in range(20):
+                    with pytest.raises(asyncio.TimeoutError):
+                        await asyncio.wait_for(client.complete("Return the", max_tokens=200, ignore_eos=True), 0.05)
+                await asyncio.sleep(0.1)
+                mine = asyncio.current_task()
+                pending = [t for t in asyncio.all_tasks() if t is not mine and not t.done()]
+                assert len(pending) <= 2, pending  # the client's receiver and heartbeat tasks only
+                status = await client.status()
+            return status
+
+        asyncio.run(main())
+        with Client(d.address) as client:
+            deadline = time.monotonic() + 10
+            while client.status().running:
+                assert time.monotonic() < deadline, "cancelled requests kept running"
+                time.sleep(0.05)
+
+
+def test_deeply_nested_frame_gets_an_error_and_the_daemon_keeps_answering(tmp_path):
+    with running_daemon(tmp_path) as d:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(d.address)
+        try:
+            sock.send(b"\x91" * 100_000 + b"\xc0")
+            assert sock.poll(10_000), "no reply to a deeply nested frame"
+            reply = P.SERVER_DECODER.decode(sock.recv())
+            assert isinstance(reply, P.Error) and reply.code == P.ErrorCode.INVALID_REQUEST
+        finally:
+            sock.close()
+            ctx.term()
+        with Client(d.address) as client:
+            assert client.complete("Return the", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_a_clean_stop_leaves_no_socket_files(tmp_path):
+    with running_daemon(tmp_path) as d:
+        assert d.stop() == 0
+    leftovers = [p.name for p in tmp_path.rglob("*") if p.suffix in (".sock", ".events", ".cmd", ".lock")]
+    assert not leftovers, leftovers
