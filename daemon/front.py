@@ -92,6 +92,9 @@ INLINE_TOKENIZE_CHARS = 4096
 the tokenizer thread, so that no single frame can stall every other client."""
 MAX_TOKENIZING = 64
 """Long prompts waiting for the tokenizer thread at most; more get QUEUE_FULL."""
+MAX_UNKNOWN_ANSWERS = 64
+"""Unknown ids one Heartbeat gets UNKNOWN_REQUEST answers for, at most: a client names its open ids in every
+heartbeat, so the rest are answered by the next ones, and no single frame makes the front send thousands."""
 MONITOR_ADDRESS = "inproc://ringstream-client-connections"
 """Where the client socket's monitor (connection accepted / closed events) publishes."""
 CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
@@ -634,11 +637,10 @@ class Front:
             case P.Heartbeat(open_ids=open_ids):
                 self._reply(identity, P.HeartbeatAck())
                 known = client.requests if client is not None else {}
-                for rid in open_ids:
-                    if rid not in known:
-                        self._reply(identity, P.Error(id=rid, code=P.ErrorCode.UNKNOWN_REQUEST,
-                                                      message=f"request {rid!r} is not known to this daemon "
-                                                              "(it restarted, or the request was cancelled)"))
+                for rid in itertools.islice((rid for rid in open_ids if rid not in known), MAX_UNKNOWN_ANSWERS):
+                    self._reply(identity, P.Error(id=rid, code=P.ErrorCode.UNKNOWN_REQUEST,
+                                                  message=f"request {rid!r} is not known to this daemon "
+                                                          "(it restarted, or the request was cancelled)"))
             case P.Status():
                 self._reply(identity, self.status())
             case P.Admin(settings=settings):

@@ -5,9 +5,10 @@ a priority. Aging bounds starvation: a request's effective priority is
 
     effective(t) = priority - aging_rate * (t - arrival)          (levels, seconds)
 
-so a request of priority ``p`` waiting behind a constant stream of priority
-``q < p`` work is served no later than ``(p - q) / aging_rate`` seconds after it
-arrives plus the time until a slot frees. All waiting requests age at the same
+so no priority-``q`` request arriving more than ``(p - q) / aging_rate``
+seconds after a priority-``p`` request overtakes it: under a constant stream of
+more urgent work its wait is bounded by that time plus the service of what was
+already ahead of it then. All waiting requests age at the same
 rate, so their order is that of the time-invariant key
 ``priority + aging_rate * arrival``: one heap keeps it, with no re-sorting as
 time passes (it is rebuilt only when ``aging_rate`` changes).
