@@ -263,7 +263,8 @@ class Front:
         devices = parse_devices(config.devices)
         soft, raised_from = ensure_open_files(open_files_needed(config.max_clients, len(devices)))
         if raised_from is not None:
-            log.info("raised the open-file limit from %d to %d (max_clients = %d)", raised_from, soft, config.max_clients)
+            log.info("raised the open-file limit from %d to %d (max_clients = %d)",
+                     raised_from, soft, config.max_clients)
         if config.metrics_port is not None:
             try:
                 self.metrics.serve(config.metrics_port)
@@ -723,12 +724,14 @@ class Front:
             self._finish(req, req.abort_reason)  # cancelled meanwhile
             return
         if self.state not in ("starting", "serving"):
-            self._reply(req.client, P.Error(id=req.id, code=P.ErrorCode.SHUTTING_DOWN, message="daemon is shutting down"))
+            self._reply(req.client, P.Error(id=req.id, code=P.ErrorCode.SHUTTING_DOWN,
+                                            message="daemon is shutting down"))
             self._forget(req)
             return
         try:
             ids = future.result()
-            req.prompt_token_ids = self.validator.finish(req.msg, ids, self.validator.limit(self.scheduler.max_request_tokens()))
+            limit = self.validator.limit(self.scheduler.max_request_tokens())
+            req.prompt_token_ids = self.validator.finish(req.msg, ids, limit)
         except RequestRejected as exc:
             self._reject(req, exc.code, str(exc))
             return

@@ -200,7 +200,9 @@ class Scheduler:
         return heap[0][2] if heap else None
 
     def _maybe_compact(self) -> None:
-        if len(self._heap) > 2 * self._num_waiting + COMPACT_SLACK:
+        # Both heaps: with the reject policy only _peek cleans _heap, and nothing cleans _evict_heap,
+        # whose stale entries would otherwise keep every request that ever waited alive.
+        if max(len(self._heap), len(self._evict_heap)) > 2 * self._num_waiting + COMPACT_SLACK:
             self._rebuild()
 
     def _rebuild(self) -> None:

@@ -72,6 +72,11 @@ SYNTHETIC_VOCAB = 4096
 SYNTHETIC_TEXT = " t{}"
 """Text of synthetic token number ``seq`` (see daemon.synthetic.synthetic_text)."""
 MIB = 2**20
+RSS_SAMPLES = 4
+"""The overload and hostile phases sample the front's RSS this many times (plus once before)."""
+FAULT_INTERVAL_S = (3.0, 8.0)
+"""Seconds between two worker faults in the soak (uniform): a few a minute, so that the restart backoff
+(doubling per failure of a worker) leaves both workers up most of the time."""
 
 _GENERATE_FIELDS = P.Generate.__struct_fields__
 
@@ -118,14 +123,15 @@ def _children(pid: int) -> list[psutil.Process]:
 
 
 @contextlib.contextmanager
-def soak_daemon(workdir: Path, *args: str, config: str = "", env: dict | None = None):
+def soak_daemon(workdir: Path, *args: str, config: str = "", env: dict | None = None, instance: str | None = None):
     """Run ``ringstream serve ARGS`` (TOML ``config`` text) until the block ends; yields a :class:`SoakDaemon`.
 
+    ``instance``: the instance name (default: a fresh one).
     On exit: SIGTERM (SIGKILL after STOP_TIMEOUT_S), then every leftover
     segment and process is removed and reported in ``leftovers`` of the
     yielded object (``{"segments": [...], "processes": [...]}``).
     """
-    instance = f"soak{uuid.uuid4().hex[:8]}"
+    instance = instance or f"soak{uuid.uuid4().hex[:8]}"
     address = f"ipc://{workdir}/{instance}.sock"
     config_path = workdir / f"{instance}.toml"
     config_path.write_text(config)
@@ -259,7 +265,8 @@ def _oversized(rng: random.Random, victim: str) -> HostileFrame:
     if choice == 0:
         payload, codes = generate_array(id=rid, prompt="x" * (P.MAX_PROMPT_CHARS + 1)), INVALID
     elif choice == 1:
-        payload, codes = generate_array(id=rid, prompt=None, prompt_token_ids=[7] * (P.MAX_PROMPT_TOKEN_IDS + 1)), INVALID
+        ids = [7] * (P.MAX_PROMPT_TOKEN_IDS + 1)
+        payload, codes = generate_array(id=rid, prompt=None, prompt_token_ids=ids), INVALID
     elif choice == 2:
         payload, codes = generate_array(id=rid, stop=["s"] * (P.MAX_STOP_STRINGS + 1)), INVALID
     elif choice == 3:
@@ -652,9 +659,10 @@ def check_synthetic_stream(chunks: list[P.Chunk], expected_tokens: int | None = 
 
 
 async def run_streams(address: str, count: int, concurrency: int, params: dict, deadline_s: float,
-                      on_started=None) -> list[tuple[str, list[P.Chunk], float]]:
-    """Run ``count`` generations, ``concurrency`` at a time, each on one AsyncClient.
+                      on_started=None, duration_s: float | None = None) -> list[tuple[str, list[P.Chunk], float]]:
+    """Run ``count`` generations, ``concurrency`` at a time, all over one AsyncClient.
 
+    With ``duration_s``, no generation starts after that many seconds (fewer than ``count`` may run).
     Returns ``(outcome, chunks, seconds)`` per request: outcome is the
     finish reason, an error code, ``"lost"`` (DaemonUnavailable: no answer for
     the client's timeout) or ``"hung"`` (no terminal within ``deadline_s``).
@@ -663,6 +671,7 @@ async def run_streams(address: str, count: int, concurrency: int, params: dict, 
     results = []
     started = asyncio.Event()
     queue = list(range(count))
+    end = time.monotonic() + duration_s if duration_s is not None else math.inf
 
     async with AsyncClient(address, timeout_s=deadline_s) as client:
         async def one() -> tuple[str, list[P.Chunk], float]:
@@ -682,7 +691,7 @@ async def run_streams(address: str, count: int, concurrency: int, params: dict, 
                 return f"lost:{type(exc).__name__}", chunks, time.monotonic() - t0
 
         async def lane() -> None:
-            while queue:
+            while queue and time.monotonic() < end:
                 queue.pop()
                 results.append(await one())
 
@@ -715,9 +724,12 @@ def soak_overload(workdir: Path, seconds: float) -> dict:
 
     with soak_daemon(workdir, config=config) as daemon:
         offer_load(daemon.address, rate_hz, 2.0, request)  # warm-up: allocator and caches at steady state
-        rss_before = _rss_mib(daemon)
-        outcomes = offer_load(daemon.address, rate_hz, seconds, request)
-        rss_after = _rss_mib(daemon)
+        rss = [_rss_mib(daemon)]
+        outcomes: dict[str, Outcome] = {}
+        for part in range(RSS_SAMPLES):  # one connection per part; RSS sampled between them
+            outcomes.update(offer_load(daemon.address, rate_hz, seconds / RSS_SAMPLES,
+                                       lambda i: request(part * 10**9 + i)))
+            rss.append(_rss_mib(daemon))
         idle = wait_for(lambda: gauges_idle(daemon.address), 10.0)
     full = [o.answered - o.sent for o in outcomes.values() if o.kind == "QUEUE_FULL"]
     admitted = [o for o in outcomes.values() if o.kind not in ("QUEUE_FULL", "")]
@@ -727,9 +739,11 @@ def soak_overload(workdir: Path, seconds: float) -> dict:
         requests=len(outcomes), queue_full=len(full), admitted=len(admitted),
         admitted_ok=sum(o.kind == "length" for o in admitted),
         lost=sum(o.kind == "" for o in outcomes.values()), hung=len(late),
-        queue_full_p50_ms=round(percentile(full, 50) * 1000, 2), queue_full_p99_ms=round(percentile(full, 99) * 1000, 2),
+        queue_full_p50_ms=round(percentile(full, 50) * 1000, 2),
+        queue_full_p99_ms=round(percentile(full, 99) * 1000, 2),
         queue_full_max_ms=round(max(full, default=math.nan) * 1000, 2),
-        rss_before_mib=rss_before, rss_after_mib=rss_after, gauges_idle=bool(idle), leftovers=daemon.leftovers,
+        rss_before_mib=rss[0], rss_after_mib=rss[-1], rss_samples_mib=rss, gauges_idle=bool(idle),
+        leftovers=daemon.leftovers,
     )
 
 
@@ -740,28 +754,31 @@ def soak_hostile(workdir: Path, seconds: float) -> dict:
         with Client(daemon.address) as client:
             solo = client.complete(prompt, **params)
         run_barrage(daemon.address, hostile_frames(0, 200, "victim"))  # warm-up
-        rss_before = _rss_mib(daemon)
+        rss = [_rss_mib(daemon)]
         victim = VictimStreams(daemon.address, prompt, params)
         results = BarrageResult()
         with heartbeat_probe(daemon.address, seconds) as probe, victim:
-            end, seed = time.monotonic() + seconds, 1
-            while time.monotonic() < end:
+            start, seed = time.monotonic(), 1
+            while time.monotonic() < start + seconds:
                 batch = run_barrage(daemon.address, hostile_frames(seed, 1000, "victim"))
                 for name in ("sent", "answered", "codes"):
                     getattr(results, name).update(getattr(batch, name))
                 results.wrong += batch.wrong
                 results.unanswered += batch.unanswered
                 seed += 1
+                if time.monotonic() - start > len(rss) * seconds / RSS_SAMPLES:
+                    rss.append(_rss_mib(daemon))
             rtts = probe()
         oversize_answers, oversize_closed = oversize_frames(daemon.address, 5)
-        rss_after = _rss_mib(daemon)
+        rss.append(_rss_mib(daemon))
     differing = [r for r in victim.results if r is None or (r.text, r.token_ids) != (solo.text, solo.token_ids)]
     return dict(
         phase="hostile", seconds=seconds, frames=results.total, answered=sum(results.answered.values()),
         wrong_answers=len(results.wrong), unanswered=results.unanswered, examples=results.wrong[:5],
-        oversize_answers=oversize_answers, oversize_connections_closed=oversize_closed, victim_streams=len(victim.results), victim_streams_differing=len(differing),
+        oversize_answers=oversize_answers, oversize_connections_closed=oversize_closed,
+        victim_streams=len(victim.results), victim_streams_differing=len(differing),
         heartbeat_rtt_p99_ms=round(percentile(rtts, 99) * 1000, 2), heartbeat_rtt_max_ms=round(max(rtts) * 1000, 2),
-        rss_before_mib=rss_before, rss_after_mib=rss_after, leftovers=daemon.leftovers,
+        rss_before_mib=rss[0], rss_after_mib=rss[-1], rss_samples_mib=rss, leftovers=daemon.leftovers,
     )
 
 
@@ -806,23 +823,24 @@ def soak_worker_faults(workdir: Path, seconds: float) -> dict:
 
         async def inject() -> None:
             rng = random.Random(7)
+            hit: set[int] = set()
             while not stop.is_set():
-                await asyncio.sleep(rng.uniform(1.0, 3.0))
-                pids = daemon.worker_pids()
+                await asyncio.sleep(rng.uniform(*FAULT_INTERVAL_S))
+                pids = [pid for pid in daemon.worker_pids() if pid not in hit]  # not one already stopped
                 if not pids:
                     continue
                 pid = rng.choice(pids)
                 sig = rng.choice([signal.SIGKILL, signal.SIGKILL, signal.SIGSTOP])
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
+                hit.add(pid)
                 faults[sig.name] += 1
 
         async def main():
             injector = asyncio.create_task(inject())
-            count = max(1, int(seconds / (max_tokens * 0.005) * 16))
             try:
-                return await run_streams(daemon.address, count, 16, dict(max_tokens=max_tokens, ignore_eos=True),
-                                         deadline_s=60.0)
+                return await run_streams(daemon.address, 10**9, 16, dict(max_tokens=max_tokens, ignore_eos=True),
+                                         deadline_s=120.0, duration_s=seconds)
             finally:
                 stop.set()
                 await injector
@@ -855,9 +873,8 @@ def soak_step_exceptions(workdir: Path, seconds: float) -> dict:
     with soak_daemon(workdir, config=config, env=env) as daemon:
         with Client(daemon.address) as client:
             before = client.status()
-        count = max(1, int(seconds / (max_tokens * 0.002) * 16))
-        results = asyncio.run(run_streams(daemon.address, count, 16, dict(max_tokens=max_tokens, ignore_eos=True),
-                                          deadline_s=60.0))
+        results = asyncio.run(run_streams(daemon.address, 10**9, 16, dict(max_tokens=max_tokens, ignore_eos=True),
+                                          deadline_s=60.0, duration_s=seconds))
         with Client(daemon.address) as client:
             after = client.status()
     outcomes = Counter(r[0] for r in results)
@@ -946,8 +963,10 @@ def soak_restarts(workdir: Path, cycles: int) -> dict:
         _, alive = psutil.wait_procs(children, timeout=CHILD_EXIT_S)
         leaked_pids += [p.pid for p in alive]
         counts.append(len(glob.glob(SEGMENT_GLOB.format(instance=instance))))
-    with soak_daemon(workdir) as _:
-        pass
+    with soak_daemon(workdir, "--engine", "synthetic", "--devices", "cpu", instance=instance) as last:
+        with Client(last.address) as client:
+            client.complete(prompt_token_ids=[5, 6, 7], max_tokens=3)
+    leaked_pids += last.leftovers["processes"]
     final = glob.glob(SEGMENT_GLOB.format(instance=instance))
     for path in final:
         os.unlink(path)
