@@ -31,7 +31,9 @@ OFFERED_HZ = 10 * CAPACITY_HZ
 LOAD_S = 4.0
 TIMEOUT_S = 2.0
 """Each request's own deadline; the worst wait (a full queue ahead) is QUEUE_SIZE / CAPACITY_HZ = 0.13 s."""
-QUEUE_FULL_P99_S = 0.010
+QUEUE_FULL_P99_S = 0.050
+"""CI bound for the QUEUE_FULL round trip at P99. The target is 10 ms, which the soak measures on a
+quiet host (docs/RELIABILITY.md); two shared cores running the worker and the load make CI noisier."""
 RSS_BOUND = 30 * MIB
 
 
