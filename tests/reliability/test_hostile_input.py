@@ -21,6 +21,9 @@ from tools.soak import (
     HOSTILE_KINDS, VictimStreams, heartbeat_probe, hostile_frames, oversize_frames, raw_socket, run_barrage,
 )
 
+# Timed against a real daemon on a shared 2-core host: one rerun absorbs a host hiccup.
+pytestmark = pytest.mark.flaky(reruns=2)
+
 PROMPT = "The socket module"
 GREEDY = dict(max_tokens=200, temperature=0.0, ignore_eos=True)
 VICTIM_ID = "victim"

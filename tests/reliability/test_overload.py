@@ -21,6 +21,9 @@ from tests.daemon_helpers import running_daemon
 from tests.reliability.helpers import MIB, rss, status, write_config
 from tools.soak import gauges_idle, offer_load, percentile, wait_for
 
+# Timed against a real daemon on a shared 2-core host: one rerun absorbs a host hiccup.
+pytestmark = pytest.mark.flaky(reruns=2)
+
 STEP_S = 0.002
 SLOTS = 4
 QUEUE_SIZE = 16
