@@ -15,6 +15,10 @@ from ipc.protocol import to_dict
 def _add_address(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--socket", help="daemon address (default: the instance's ipc socket)")
     parser.add_argument("--instance", default="default", help="daemon instance name (default: %(default)s)")
+    parser.add_argument("--curve-server-cert", metavar="FILE",
+                        help="CURVE: the daemon's public certificate (zmq.auth format); needs --curve-cert")
+    parser.add_argument("--curve-cert", metavar="FILE",
+                        help="CURVE: this client's secret certificate, whose public key the daemon lists")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,6 +94,27 @@ def _check_address(args: argparse.Namespace) -> str:
     return address
 
 
+def _client(args: argparse.Namespace, timeout_s: float = 30.0):
+    """A ``Client`` for the address and CURVE certificates of ``args``; ValueError for a missing socket or key."""
+    from ipc.client import Client
+
+    keys = {}
+    if (args.curve_server_cert is None) != (args.curve_cert is None):
+        raise ValueError("--curve-server-cert and --curve-cert: give both or neither")
+    if args.curve_cert is not None:
+        import zmq.auth
+
+        try:
+            server_public, _ = zmq.auth.load_certificate(args.curve_server_cert)
+            public, secret = zmq.auth.load_certificate(args.curve_cert)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"CURVE certificate: {exc}") from exc
+        if secret is None:
+            raise ValueError(f"{args.curve_cert}: holds no secret key (give the client's .key_secret file)")
+        keys = dict(curve_server_key=server_public, curve_public_key=public, curve_secret_key=secret)
+    return Client(_check_address(args), timeout_s=timeout_s, **keys)
+
+
 def _run(args: argparse.Namespace) -> int:
     match args.command:
         case "serve":
@@ -126,13 +151,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from ipc.client import Client, RingstreamError
+    from ipc.client import RingstreamError
 
     params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                   seed=args.seed, stop=args.stop, priority=args.priority, stop_token_ids=args.stop_token_id,
                   ignore_eos=args.ignore_eos, timeout_s=args.timeout, queue_timeout_s=args.queue_timeout)
     try:
-        with Client(_check_address(args)) as client:
+        with _client(args) as client:
             for chunk in client.generate(args.prompt, **params):
                 if args.json:
                     sys.stdout.write(msgspec.json.encode(to_dict(chunk)).decode() + "\n")
@@ -160,11 +185,11 @@ def parse_setting(item: str) -> tuple[str, object]:
 
 
 def _admin(args: argparse.Namespace) -> int:
-    from ipc.client import Client, RingstreamError
+    from ipc.client import RingstreamError
 
     try:
         settings = dict(parse_setting(item) for item in args.settings)
-        with Client(_check_address(args), timeout_s=5.0) as client:
+        with _client(args, timeout_s=5.0) as client:
             reply = client.admin(**settings)
     except (ValueError, RingstreamError) as exc:
         print(f"ringstream: {exc}", file=sys.stderr)
@@ -174,10 +199,10 @@ def _admin(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from ipc.client import Client, RingstreamError
+    from ipc.client import RingstreamError
 
     try:
-        with Client(_check_address(args), timeout_s=5.0) as client:
+        with _client(args, timeout_s=5.0) as client:
             reply = client.status()
     except (RingstreamError, ValueError) as exc:
         print(f"ringstream: {exc}", file=sys.stderr)

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import errno
 import functools
+import gc
 import itertools
 import logging
 import os
@@ -221,6 +222,9 @@ class Front:
         tasks = []
         try:
             self._setup()
+            # Modules, model metadata and tokenizer live as long as the process: keep them out of the
+            # collector's full passes, which would otherwise stall the loop for tens of ms each.
+            gc.freeze()
             self.notifier.status(f"starting: loading the model on {len(self.workers)} worker(s)")
             self.notifier.extend_timeout(self.config.worker_start_timeout_s + TIMEOUT_MARGIN_S)
             coros = [self._client_loop(), self._event_loop(), self._housekeeping()]
@@ -911,13 +915,13 @@ class Front:
     # ------------------------------------------------------------ timers
 
     async def _housekeeping(self) -> None:
-        timeout = self.config.client_timeout_s
         start_deadline = self.started + self.config.worker_start_timeout_s
         while True:
             await asyncio.sleep(HOUSEKEEPING_S)
             now = time.monotonic()
             self.housekeeping_tick = now
             self._update_gauges()
+            timeout = self.config.client_timeout_s  # a live setting: read at every tick
             for identity, client in list(self.clients.items()):
                 stuck_s = now - client.blocked_since if client.blocked_since else 0.0
                 if now - client.last_seen > timeout:
@@ -927,11 +931,16 @@ class Front:
                 elif stuck_s > timeout:
                     self._cancel_stuck(identity, client, stuck_s)
             for worker, budget in zip(self.workers, self.scheduler.workers):
-                if budget.ready and worker.alive and now - worker.last_heartbeat > self.config.worker_stall_timeout_s:
-                    log.error("worker %d sent no heartbeat for %.0f s; killing it",
-                              worker.index, now - worker.last_heartbeat)
+                silent_s = now - worker.last_heartbeat  # since its spawn, for a worker still starting
+                if not worker.alive:
+                    continue
+                if budget.ready and silent_s > self.config.worker_stall_timeout_s:
+                    log.error("worker %d sent no heartbeat for %.0f s; killing it", worker.index, silent_s)
                     budget.ready = False
                     worker.process.kill()  # its sentinel then runs the usual exit path
+                elif not budget.ready and self.state == "serving" and silent_s > self.config.worker_start_timeout_s:
+                    log.error("restarted worker %d not ready after %.0f s; killing it", worker.index, silent_s)
+                    worker.process.kill()
             if self.state == "starting" and now > start_deadline:
                 log.error("workers not ready after %.0f s", self.config.worker_start_timeout_s)
                 self.request_stop(exit_code=1)
@@ -1091,13 +1100,8 @@ def refuse_live_socket(path: str) -> None:
 
 def _guess_id(frame: bytes) -> str | None:
     """Best-effort request id of an undecodable frame, so its sender can match the error."""
-    try:
-        raw = msgspec.msgpack.decode(frame)
-    except (msgspec.DecodeError, RecursionError):  # RecursionError: nesting deeper than the decoder allows
-        return None
-    if isinstance(raw, list) and len(raw) > 1 and isinstance(raw[1], str) and len(raw[1]) <= P.MAX_ID_CHARS:
-        return raw[1] or None
-    return None
+    _, rid = P.frame_head(frame)
+    return rid if rid and len(rid) <= P.MAX_ID_CHARS else None
 
 
 def serve(config: Config, config_path: str | None = None, overrides: dict | None = None) -> int:

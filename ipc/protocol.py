@@ -375,11 +375,60 @@ def explain(error: msgspec.DecodeError, frame: bytes) -> str:
     if match is None:
         return text
     try:
-        tag = msgspec.msgpack.decode(frame)[0]
-        field = _CLIENT_FIELDS[tag][int(match.group(1)) - 1]
-    except (msgspec.DecodeError, RecursionError, LookupError, TypeError):  # RecursionError: too deeply nested
+        field = _CLIENT_FIELDS[frame_head(frame)[0]][int(match.group(1)) - 1]
+    except LookupError:
         return text
     return text[: match.start()] + f"`{field}" + text[match.end():]
+
+
+def frame_head(frame: bytes) -> tuple[str | None, str | None]:
+    """The first two elements of a frame that is a msgpack array (a message's tag and, mostly, its request id).
+
+    Each is returned when it is a string, else None. Only the array header and
+    those two strings are read, whatever follows: a malformed or hostile frame
+    (deep nesting, huge arrays) costs no decoding and no allocation here.
+    """
+    size = len(frame)
+    if not size:
+        return None, None
+    first = frame[0]
+    if 0x90 <= first <= 0x9F:
+        count, pos = first & 0x0F, 1
+    elif first in _ARRAY_HEADERS and size >= 1 + _ARRAY_HEADERS[first]:
+        width = _ARRAY_HEADERS[first]
+        count, pos = int.from_bytes(frame[1:1 + width], "big"), 1 + width
+    else:
+        return None, None
+    tag, pos = _string_at(frame, pos) if count >= 1 else (None, -1)
+    second, _ = _string_at(frame, pos) if count >= 2 and pos >= 0 else (None, -1)
+    return tag, second
+
+
+_ARRAY_HEADERS = {0xDC: 2, 0xDD: 4}
+"""msgpack array16 / array32: the width of their element count, bytes."""
+_STRING_HEADERS = {0xD9: 1, 0xDA: 2, 0xDB: 4}
+"""msgpack str8 / str16 / str32: the width of their length, bytes."""
+
+
+def _string_at(frame: bytes, pos: int) -> tuple[str | None, int]:
+    """The msgpack string at ``pos`` of ``frame`` and the position after it; ``(None, -1)`` if there is none."""
+    if pos >= len(frame):
+        return None, -1
+    marker = frame[pos]
+    if 0xA0 <= marker <= 0xBF:
+        start, length = pos + 1, marker & 0x1F
+    elif marker in _STRING_HEADERS and pos + 1 + _STRING_HEADERS[marker] <= len(frame):
+        width = _STRING_HEADERS[marker]
+        start, length = pos + 1 + width, int.from_bytes(frame[pos + 1:pos + 1 + width], "big")
+    else:
+        return None, -1
+    end = start + length
+    if end > len(frame):
+        return None, -1
+    try:
+        return frame[start:end].decode(), end
+    except UnicodeDecodeError:
+        return None, -1
 
 
 def to_dict(message: Struct) -> dict:

@@ -114,6 +114,14 @@ class SoakDaemon:
         """Resident set size of the front process, bytes."""
         return psutil.Process(self.proc.pid).memory_info().rss
 
+    def private_rss(self) -> int:
+        """Resident private (anonymous) memory of the front process, bytes: RSS without files and shared memory."""
+        with open(f"/proc/{self.proc.pid}/status") as status:
+            for line in status:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError("no RssAnon in /proc/<pid>/status")
+
 
 def _children(pid: int) -> list[psutil.Process]:
     try:
@@ -670,7 +678,7 @@ async def run_streams(address: str, count: int, concurrency: int, params: dict, 
     """
     results = []
     started = asyncio.Event()
-    queue = list(range(count))
+    remaining = count
     end = time.monotonic() + duration_s if duration_s is not None else math.inf
 
     async with AsyncClient(address, timeout_s=deadline_s) as client:
@@ -691,8 +699,9 @@ async def run_streams(address: str, count: int, concurrency: int, params: dict, 
                 return f"lost:{type(exc).__name__}", chunks, time.monotonic() - t0
 
         async def lane() -> None:
-            while queue and time.monotonic() < end:
-                queue.pop()
+            nonlocal remaining
+            while remaining > 0 and time.monotonic() < end:
+                remaining -= 1
                 results.append(await one())
 
         lanes = [asyncio.create_task(lane()) for _ in range(concurrency)]
@@ -706,8 +715,10 @@ async def run_streams(address: str, count: int, concurrency: int, params: dict, 
 # --------------------------------------------------------------------------- soak phases
 
 
-def _rss_mib(daemon: SoakDaemon) -> float:
-    return round(daemon.rss() / MIB, 1)
+def _rss_mib(daemon: SoakDaemon) -> list[float]:
+    """The front's resident memory, MiB: ``[total, private]``. The difference is mostly the rings, shared
+    with the workers: a ring's pages become resident as records first reach them (at most ``ring_bytes``)."""
+    return [round(daemon.rss() / MIB, 1), round(daemon.private_rss() / MIB, 1)]
 
 
 def soak_overload(workdir: Path, seconds: float) -> dict:
@@ -814,7 +825,7 @@ class VictimStreams:
 def soak_worker_faults(workdir: Path, seconds: float) -> dict:
     """Streams on two workers for ``seconds`` while workers are SIGKILLed and SIGSTOPped in turn."""
     config = ("engine = \"synthetic\"\nsynthetic_step_ms = 5.0\ndevices = \"cpu,cpu\"\n"
-              "worker_stall_timeout_s = 1.5\nworker_heartbeat_s = 0.25\n")
+              "worker_stall_timeout_s = 1.5\nworker_heartbeat_s = 0.25\nworker_start_timeout_s = 10.0\n")
     max_tokens = 200
     faults = Counter()
     with soak_daemon(workdir, config=config) as daemon:
@@ -860,7 +871,7 @@ def soak_worker_faults(workdir: Path, seconds: float) -> dict:
         phase="worker_faults", seconds=seconds, requests=len(results), outcomes=dict(outcomes),
         faults=dict(faults), restarts=status.counters["worker_restarts_total"],
         lost=sum(o.startswith("lost") for o in outcomes.elements()), hung=outcomes["hung"],
-        broken_streams=sum(b is not None for b in broken), gauges_idle=bool(idle),
+        deadline_ends=outcomes["timeout"], broken_streams=sum(b is not None for b in broken), gauges_idle=bool(idle),
         rss_before_mib=rss_before, rss_after_mib=rss_after, leftovers=daemon.leftovers,
     )
 
@@ -992,6 +1003,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "probe":
         print(json.dumps(probe_heartbeats(args.address, args.seconds)))
         return 0
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that every phase stops its daemon on the way out
     started = time.monotonic()
     phases = []
     with tempfile.TemporaryDirectory(prefix="ringstream-soak-") as tmp:
@@ -1011,6 +1023,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if summary["ok"] else 1
 
 
+def _exit_on_sigterm(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def summarise(phases: list[dict], seconds: float) -> dict:
     """The headline figures over every phase, and whether each met its target."""
     by_name = {p["phase"]: p for p in phases}
@@ -1021,6 +1037,7 @@ def summarise(phases: list[dict], seconds: float) -> dict:
         seconds=round(seconds),
         requests_lost=sum(p.get("lost", 0) for p in phases),
         hung_streams=sum(p.get("hung", 0) for p in phases),
+        deadline_ends=by_name["worker_faults"]["deadline_ends"],
         broken_streams=sum(p.get("broken_streams", 0) for p in phases) + by_name["hostile"]["victim_streams_differing"],
         wrong_answers=by_name["hostile"]["wrong_answers"] + by_name["hostile"]["unanswered"],
         leaked_segments=leaked_segments + restarts["segments_left"],
@@ -1031,6 +1048,7 @@ def summarise(phases: list[dict], seconds: float) -> dict:
     )
     summary["ok"] = (
         summary["requests_lost"] == summary["hung_streams"] == summary["broken_streams"] == 0
+        and summary["deadline_ends"] == 0
         and summary["wrong_answers"] == summary["leaked_segments"] == summary["leaked_processes"] == 0
         and summary["queue_full_p99_ms"] < 10 and by_name["overload"]["gauges_idle"]
         and by_name["worker_faults"]["gauges_idle"]

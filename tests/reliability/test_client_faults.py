@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -157,16 +158,22 @@ def test_a_client_that_stops_reading_past_the_timeout_gets_an_explicit_end(daemo
 
 def test_a_second_connection_with_the_same_identity_is_refused_and_harms_nothing(daemon):
     identity = b"shared-identity"
+    chunks: list[P.Chunk] = []
     with Client(daemon.address, identity=identity) as first:
-        stream = first.generate(prompt_token_ids=[5, 6, 7], max_tokens=200, ignore_eos=True)
-        chunks = [next(stream)]
-        with Client(daemon.address, identity=identity, timeout_s=CLIENT_TIMEOUT_S) as second:
-            with pytest.raises(DaemonUnavailable):
-                second.status()
-            with pytest.raises(DaemonUnavailable):
-                list(second.generate(prompt_token_ids=[5, 6, 7], max_tokens=5, ignore_eos=True))
-        chunks += list(stream)
-    assert check_synthetic_stream(chunks, 200) is None
+        reader = threading.Thread(target=lambda: chunks.extend(
+            first.generate(prompt_token_ids=[5, 6, 7], max_tokens=LONG_TOKENS, ignore_eos=True)))
+        reader.start()  # reads (and heartbeats) all along
+        try:
+            assert wait_for(lambda: chunks, 30.0, 0.01)
+            with Client(daemon.address, identity=identity, timeout_s=0.4, heartbeat_s=0.1) as second:
+                with pytest.raises(DaemonUnavailable):
+                    second.status()
+                with pytest.raises(DaemonUnavailable):
+                    list(second.generate(prompt_token_ids=[5, 6, 7], max_tokens=5, ignore_eos=True))
+            assert reader.is_alive(), "the first stream ended before the second client was refused"
+        finally:
+            reader.join(60)
+    assert check_synthetic_stream(chunks, LONG_TOKENS) is None
     with Client(daemon.address, identity=identity) as later:  # once the first one left, the identity is free
         assert later.complete(prompt_token_ids=[5, 6, 7], max_tokens=5, ignore_eos=True).finish_reason == "length"
 

@@ -182,3 +182,18 @@ def test_a_heartbeat_naming_every_possible_id_is_answered_briefly(daemon):
     assert len(errors) == 3 * MAX_UNKNOWN_ANSWERS
     assert {e.code for e in errors} == {P.ErrorCode.UNKNOWN_REQUEST}
     assert max(rtts) < MAX_STALL_S, f"event loop stalled {max(rtts) * 1000:.0f} ms"
+
+
+@pytest.mark.parametrize("frame, head", [
+    (P.encode(P.Generate(id="abc", prompt="x")), ("generate", "abc")),
+    (P.encode(P.Cancel(id="é" * 40)), ("cancel", "é" * 40)),
+    (msgspec.msgpack.encode(["generate", 5, "x"]), ("generate", None)),
+    (b"\xdd\x00\x00\x00\x02\xd9\x08generate\xda\x00\x01r", ("generate", "r")),
+    (b"\x92\xa8generate\xa3\xff\xfe\xfd", ("generate", None)),  # not UTF-8
+    (b"\x92\xa8generate\xdb\xff\xff\xff\xff", ("generate", None)),  # declares 4 GiB
+    (b"\x91" * 100_000 + b"\xc0", (None, None)),
+    (b"\xdd\xff\xff\xff\xff", (None, None)),
+    (b"", (None, None)),
+])
+def test_the_head_of_a_hostile_frame_is_read_without_decoding_the_rest(frame, head):
+    assert P.frame_head(frame) == head

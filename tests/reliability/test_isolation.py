@@ -18,9 +18,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import zmq.auth
 
+from daemon import cli
 from daemon.config import load_config
 from ipc.client import Client, DaemonUnavailable, InvalidRequest
 from tests.daemon_helpers import running_daemon
@@ -173,7 +175,7 @@ def curve_keys(tmp_path):
     return pairs, allowed
 
 
-def test_curve_on_loopback_admits_only_listed_clients(tmp_path, curve_keys):
+def test_curve_on_loopback_admits_only_listed_clients(tmp_path, curve_keys, capsys):
     pairs, allowed = curve_keys
     server_public = pairs["server"][0]
     with socket.socket() as probe:
@@ -200,6 +202,13 @@ def test_curve_on_loopback_admits_only_listed_clients(tmp_path, curve_keys):
                     outsider.status()
         with pytest.raises(ValueError, match="together"):
             Client(address, curve_server_key=server_public)
+        server_cert = Path(pairs["server"][2]).with_name("server.key")  # the public half only
+        cli_args = ["generate", "--socket", address, "--curve-server-cert", str(server_cert), "--max-tokens", "4",
+                    "--ignore-eos", "--json", "x"]
+        assert cli.main(cli_args + ["--curve-cert", pairs["client"][2]]) == 0
+        assert [msgspec.json.decode(line)["seq"] for line in capsys.readouterr().out.splitlines()] == [0, 1, 2, 3]
+        assert cli.main(cli_args + ["--curve-cert", str(server_cert)]) == 1  # a public certificate: no secret
+        assert "holds no secret key" in capsys.readouterr().err
         segments = d.segments()
         assert d.stop() == 0
     assert segments and not glob.glob(f"/dev/shm/ringstream-{d.instance}-*")

@@ -22,6 +22,7 @@ from tools.soak import check_synthetic_stream, gauges_idle, run_streams, wait_fo
 
 STEP_MS = 5.0
 STALL_S = 1.0
+START_TIMEOUT_S = 8.0
 DEADLINE_S = 60.0
 """A stream without its terminal message this long after it started counts as hung."""
 SYNTHETIC = f'engine = "synthetic"\nsynthetic_step_ms = {STEP_MS}\ndevices = "cpu,cpu"\n'
@@ -30,7 +31,8 @@ SYNTHETIC = f'engine = "synthetic"\nsynthetic_step_ms = {STEP_MS}\ndevices = "cp
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("workers")
-    config = write_config(tmp, SYNTHETIC + f"worker_stall_timeout_s = {STALL_S}\nworker_heartbeat_s = 0.2\n")
+    config = write_config(tmp, SYNTHETIC + f"worker_stall_timeout_s = {STALL_S}\nworker_heartbeat_s = 0.2\n"
+                                           f"worker_start_timeout_s = {START_TIMEOUT_S}\n")
     with running_daemon(tmp, "--config", config) as d:
         yield d
 
@@ -49,6 +51,32 @@ def _check(results, max_tokens: int) -> Counter:
     for outcome, chunks, _ in results:
         assert check_synthetic_stream(chunks, max_tokens if outcome == "length" else None) is None
     return outcomes
+
+
+def test_a_worker_hung_while_restarting_is_killed_after_the_start_timeout(daemon):
+    """Found by the soak: a restarted worker stopped before it was ready was never noticed (no heartbeat expected)."""
+    before = status(daemon.address)
+    readies = daemon.log().count("front worker 0 ready on")
+    original = {w.pid for w in before.workers}
+    victim = before.workers[0].pid
+    os.kill(victim, signal.SIGKILL)
+    replacement = wait_for(lambda: next((p for p in daemon.worker_pids() if p not in original), 0), 60.0, 0.005)
+    assert replacement
+    os.kill(replacement, signal.SIGSTOP)  # hung while it loads
+    try:
+        assert wait_for(lambda: "restarted worker 0 not ready after" in daemon.log(), START_TIMEOUT_S + 10.0)
+        assert wait_for(lambda: daemon.log().count("front worker 0 ready on") > readies, 60.0), "not replaced"
+        assert status(daemon.address).workers[0].pid not in (victim, replacement)
+    finally:
+        try:
+            os.kill(replacement, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    served = [w.requests_served for w in status(daemon.address).workers]
+    results = asyncio.run(run_streams(daemon.address, count=32, concurrency=16,
+                                      params=dict(max_tokens=20, ignore_eos=True), deadline_s=DEADLINE_S))
+    assert _check(results, 20) == Counter(length=32)
+    assert all(w.requests_served > s for w, s in zip(status(daemon.address).workers, served))
 
 
 def test_repeated_sigkill_and_sigstop_of_workers_under_load(daemon):
