@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from daemon.attention import use_decode_attention
 from daemon.detokenizer import IncrementalDetokenizer
 from daemon.sampler import SamplingTensors, sample, token_seed
 
@@ -406,6 +407,7 @@ class Engine(BaseEngine):
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
 
         self._model = model
+        use_decode_attention(model)  # bfloat16/float16 decode: two matmuls beat CPU SDPA (daemon.attention)
         self._tokenizer = tokenizer
         self.device = torch.device(device)
         self.max_num_seqs = max_num_seqs

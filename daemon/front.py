@@ -14,6 +14,9 @@ One asyncio loop (uvloop) owns everything here:
   ZeroMQ (``ROUTER_HANDOVER`` stays off: a newcomer cannot take over, and
   read, another connection's streams);
 * a PULL socket on which workers report readiness, heartbeats and doorbells;
+  both sockets are plain ZeroMQ sockets read by :class:`ipc.aio.SocketPump`
+  (drained on their file descriptor's wake-up, no future per message) and
+  written with non-blocking sends;
 * the rings: on a doorbell the front reads every published record, turns them
   into one ``Chunk`` per request (tokens that arrived together travel
   together), frees the ring space, then re-arms the doorbell.
@@ -57,6 +60,7 @@ from daemon.supervisor import (
 )
 from daemon.validate import RequestRejected, Validator
 from ipc import protocol as P
+from ipc.aio import SocketPump
 from ipc.ring import KIND_ERROR, KIND_FINISH, KIND_TOKEN
 
 log = logging.getLogger("ringstream.front")
@@ -98,6 +102,8 @@ MAX_UNKNOWN_ANSWERS = 64
 heartbeat, so the rest are answered by the next ones, and no single frame makes the front send thousands."""
 MONITOR_ADDRESS = "inproc://ringstream-client-connections"
 """Where the client socket's monitor (connection accepted / closed events) publishes."""
+NOBLOCK = int(zmq.NOBLOCK)
+SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 MONITOR_EVENT = struct.Struct("=HI")
 """First frame of a ZeroMQ monitor message: event id (u16), value (u32, the connection's fd here)."""
@@ -192,8 +198,10 @@ class Front:
         self.model: ModelInfo | None = None
         self.validator: Validator | None = None
         self.lock: InstanceLock | None = None
-        self.router: zmq.asyncio.Socket | None = None
-        self.events: zmq.asyncio.Socket | None = None
+        self.router: zmq.Socket | None = None
+        self.events: zmq.Socket | None = None
+        self.client_pump: SocketPump | None = None
+        self.event_pump: SocketPump | None = None
         self.monitor: zmq.Socket | None = None
         self.authenticator = None
         self.connections: dict[int, int] = {}
@@ -227,7 +235,11 @@ class Front:
             gc.freeze()
             self.notifier.status(f"starting: loading the model on {len(self.workers)} worker(s)")
             self.notifier.extend_timeout(self.config.worker_start_timeout_s + TIMEOUT_MARGIN_S)
-            coros = [self._client_loop(), self._event_loop(), self._housekeeping()]
+            self.client_pump = SocketPump(self.router, self._on_client_message, multipart=True)
+            self.event_pump = SocketPump(self.events, self._on_event)
+            self.client_pump.start()
+            self.event_pump.start()
+            coros = [self._housekeeping()]
             if self.notifier.watchdog_interval_s is not None:
                 coros.append(self._watchdog())
             tasks = [asyncio.create_task(coro) for coro in coros]
@@ -274,13 +286,13 @@ class Front:
                 self.metrics.serve(config.metrics_port)
             except OSError as exc:
                 raise StartupError(f"metrics port {config.metrics_port}: {exc}") from exc
-        self.events = self.ctx.socket(zmq.PULL)
+        self.events = zmq.Socket(self.ctx, zmq.PULL)  # plain sockets, read by SocketPumps (ipc.aio)
         event_address = f"ipc://{rundir / f'{config.instance}.events'}"
         self.events.bind(event_address)
         self.owned_paths.append(event_address[len("ipc://"):])
         self.workers = create_workers(config, devices, str(self.model.path), self.ctx, rundir, event_address)
         self.scheduler.workers = [WorkerBudget(w.index) for w in self.workers]
-        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router = zmq.Socket(self.ctx, zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.router.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)
         self.router.setsockopt(zmq.SNDHWM, CLIENT_SNDHWM)
@@ -384,6 +396,9 @@ class Front:
             await asyncio.gather(*(asyncio.to_thread(stop_process, w) for w in self.workers))
         finally:
             release_workers(self.workers)
+            for pump in (self.client_pump, self.event_pump):
+                if pump is not None:
+                    pump.stop()
             if self.monitor is not None:
                 loop.remove_reader(self.monitor.getsockopt(zmq.FD))
                 self.router.disable_monitor()
@@ -405,26 +420,33 @@ class Front:
 
     # ------------------------------------------------------------ workers
 
-    async def _event_loop(self) -> None:
-        while True:
-            frame = await self.events.recv()
-            try:
-                event = P.EVENT_DECODER.decode(frame)
-            except msgspec.DecodeError:
-                self.counters["dropped_frames_total"] += 1
-                log.warning("undecodable worker event dropped")
-                continue
-            match event:
-                case P.Doorbell(worker=index):
-                    self._read_ring(self.workers[index])
-                case P.WorkerHeartbeat(worker=index):
-                    self.workers[index].last_heartbeat = time.monotonic()
-                case P.WorkerReady() as ready:
-                    self._on_worker_ready(ready)
-                case P.WorkerStartFailed(worker=index, message=message):
-                    log.error("worker %d (%s) failed to start: %s", index, self.workers[index].device, message)
-                    if self.state == "starting":
-                        self.request_stop(exit_code=1)  # a restart that fails retries with backoff instead
+    def _on_event(self, frame: bytes) -> None:
+        """One message of a worker (doorbell, heartbeat, ready, start failure)."""
+        try:
+            event = P.EVENT_DECODER.decode(frame)
+        except msgspec.DecodeError:
+            self.counters["dropped_frames_total"] += 1
+            log.warning("undecodable worker event dropped")
+            return
+        try:
+            self._handle_event(event)
+        except Exception:
+            # A bug met by one event must not stop the reading of every worker's events.
+            log.exception("internal error handling worker event %r", event)
+            self.counters["internal_errors_total"] += 1
+
+    def _handle_event(self, event) -> None:
+        match event:
+            case P.Doorbell(worker=index):
+                self._read_ring(self.workers[index])
+            case P.WorkerHeartbeat(worker=index):
+                self.workers[index].last_heartbeat = time.monotonic()
+            case P.WorkerReady() as ready:
+                self._on_worker_ready(ready)
+            case P.WorkerStartFailed(worker=index, message=message):
+                log.error("worker %d (%s) failed to start: %s", index, self.workers[index].device, message)
+                if self.state == "starting":
+                    self.request_stop(exit_code=1)  # a restart that fails retries with backoff instead
 
     def _on_worker_ready(self, ready: P.WorkerReady) -> None:
         budget = self.scheduler.workers[ready.worker]
@@ -497,6 +519,7 @@ class Front:
         ring.disarm()
         self.read_time = time.monotonic()
         touched: dict[int, Request] = {}
+        tokens = 0
         while True:
             records = ring.read()
             for rec in records:
@@ -507,6 +530,7 @@ class Front:
                     continue
                 if rec.kind == KIND_TOKEN:
                     self._on_token(req, rec)
+                    tokens += 1
                 elif rec.kind == KIND_FINISH:
                     finish = P.FINISH_DECODER.decode(rec.payload)
                     if self._preemption_done(req, finish):
@@ -521,6 +545,9 @@ class Front:
                 worker.send(P.RingSpace())
             if not records and ring.arm():
                 break
+        if tokens:
+            self.counters["tokens_generated_total"] += tokens
+            self.metrics.generation_tokens.inc(tokens)
         for req in touched.values():
             self._flush(req)
         self._dispatch()
@@ -544,7 +571,7 @@ class Front:
         if not req.first_token:
             req.first_token = now
             self.metrics.ttft.observe(now - req.arrival)
-        else:
+        elif now != req.last_token:  # tokens of one stream read together: one sample
             self.metrics.itl.observe(now - req.last_token)
         req.last_token = now
         req.next_token_seq += 1
@@ -552,25 +579,22 @@ class Front:
         req.pending_ids.append(rec.token_id)
         if rec.payload:
             req.pending_text.append(rec.payload.decode())
-        self.counters["tokens_generated_total"] += 1
-        self.metrics.generation_tokens.inc()
 
     # ------------------------------------------------------------ clients
 
-    async def _client_loop(self) -> None:
-        while True:
-            parts = await self.router.recv_multipart(copy=False)
-            self._poll_connections()
-            connection = self._connection_of(parts[-1])
-            frames = [part.bytes for part in parts]
-            try:
-                self._on_frames(frames, connection)
-            except Exception:
-                # A bug met by one frame must not end the loop that serves every client.
-                log.exception("internal error handling a frame from client %s", frames[0].hex())
-                self.counters["internal_errors_total"] += 1
-                self.metrics.dropped.labels("internal_error").inc()
-                self._reply(frames[0], P.Error(id=None, code=P.ErrorCode.INTERNAL, message="internal error"))
+    def _on_client_message(self, parts: list[zmq.Frame]) -> None:
+        """One message from a client: ``[identity, frame...]``."""
+        self._poll_connections()
+        connection = self._connection_of(parts[-1])
+        frames = [part.bytes for part in parts]
+        try:
+            self._on_frames(frames, connection)
+        except Exception:
+            # A bug met by one frame must not stop the serving of every client.
+            log.exception("internal error handling a frame from client %s", frames[0].hex())
+            self.counters["internal_errors_total"] += 1
+            self.metrics.dropped.labels("internal_error").inc()
+            self._reply(frames[0], P.Error(id=None, code=P.ErrorCode.INTERNAL, message="internal error"))
 
     def _connection_of(self, part: zmq.Frame) -> int | None:
         """Serial of the connection a received message came through (None if unknown)."""
@@ -902,15 +926,20 @@ class Front:
         """Send one message; returns "sent", "blocked" (EAGAIN at the HWM) or "gone"."""
         if not identity:
             return "gone"
-        future = self.router.send_multipart((identity, P.encode(msg)), flags=zmq.NOBLOCK)
-        exc = future.exception()
-        if exc is None:
-            return "sent"
-        if isinstance(exc, zmq.Again):
+        try:
+            # Two sends with int flags: send_multipart combines flag enums per frame, a measurable cost here.
+            # A ROUTER refuses or queues the first frame; once queued, the second never fails.
+            self.router.send(identity, SNDMORE_NOBLOCK)
+            self.router.send(P.encode(msg), NOBLOCK)
+        except zmq.Again:
             return "blocked"
-        if isinstance(exc, zmq.ZMQError) and exc.errno == errno.EHOSTUNREACH:
-            return "gone"
-        raise exc
+        except zmq.ZMQError as exc:
+            if exc.errno == errno.EHOSTUNREACH:
+                return "gone"
+            raise
+        finally:
+            self.client_pump.kick()  # a send may take the socket's read edge (see ipc.aio)
+        return "sent"
 
     # ------------------------------------------------------------ timers
 

@@ -29,7 +29,7 @@ class Metrics:
         self.waiting = Gauge("ringstream_requests_waiting", "Requests waiting, by priority", ["priority"], registry=r)
         self.ttft = Histogram("ringstream_time_to_first_token_seconds", "Arrival to first token",
                               buckets=LATENCY_BUCKETS_S, registry=r)
-        self.itl = Histogram("ringstream_inter_token_latency_seconds", "Gap between tokens of a stream",
+        self.itl = Histogram("ringstream_inter_token_latency_seconds", "Gap between ring reads that delivered tokens of a stream (tokens read together: one sample)",
                              buckets=ITL_BUCKETS_S, registry=r)
         self.e2e = Histogram("ringstream_e2e_request_latency_seconds", "Arrival to terminal message",
                              buckets=LATENCY_BUCKETS_S, registry=r)

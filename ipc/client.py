@@ -45,9 +45,9 @@ from typing import AsyncIterator, Iterator
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from ipc import protocol as P
+from ipc.aio import SocketPump
 from ipc.address import default_socket
 
 DEFAULT_HEARTBEAT_S = 1.0
@@ -193,6 +193,36 @@ def _join(chunks: list[P.Chunk]) -> Completion:
     )
 
 
+class _Inbox:
+    """Replies of one stream of an :class:`AsyncClient`, awaited without a timer per reply."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: deque = deque()
+        self.waiter: asyncio.Future | None = None
+
+    def put(self, msg) -> None:
+        self.items.append(msg)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def fail(self, exc: Exception) -> None:
+        """Wake the stream with ``exc`` when it waits for a reply."""
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(exc)
+
+    async def get(self):
+        """The next reply; raises what :meth:`fail` gave while waiting."""
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        return self.items.popleft()
+
+
 class AsyncClient:
     """asyncio client; use ``async with AsyncClient() as c`` or call :meth:`close`.
 
@@ -210,14 +240,15 @@ class AsyncClient:
         self.address = address or default_socket(instance)
         self.heartbeat_s = heartbeat_s
         self.timeout_s = timeout_s
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         try:
             self._sock = _dealer(self._ctx, self.address, identity, curve_server_key, curve_public_key,
                                  curve_secret_key)
         except ValueError:
             self._ctx.term()
             raise
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._pump = SocketPump(self._sock, self._on_frame)
+        self._streams: dict[str, _Inbox] = {}
         self._status_waiters: deque[asyncio.Future] = deque()
         self._ids = itertools.count()
         self._prefix = os.urandom(4).hex()
@@ -242,54 +273,59 @@ class AsyncClient:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+        self._pump.stop()
         self._sock.close(linger=0)
         self._ctx.term()
 
     def _start(self) -> None:
         if not self._tasks:
             self._last_rx = time.monotonic()
-            self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._heartbeat())]
+            self._pump.start()
+            self._tasks = [asyncio.create_task(self._heartbeat())]
 
-    def _send_nowait(self, msg) -> None:
-        self._sock.send(P.encode(msg), zmq.NOBLOCK).exception()
+    def _send_nowait(self, msg) -> bool:
+        """Send without waiting; False if the socket's queue is full (the message is not sent)."""
+        try:
+            self._sock.send(P.encode(msg), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+        finally:
+            self._pump.kick()  # a send may take the socket's read edge (see ipc.aio)
 
-    async def _receive(self) -> None:
-        while True:
-            frame = await self._sock.recv()
-            self._last_rx = time.monotonic()
-            try:
-                msg = P.SERVER_DECODER.decode(frame)
-            except msgspec.DecodeError as exc:
-                self.decode_errors.append(str(exc))
-                continue
-            match msg:
-                case P.Chunk(id=rid) | P.Error(id=rid) if rid in self._streams:
-                    self._streams[rid].put_nowait(msg)
-                case P.StatusReply() if self._status_waiters:
-                    self._status_waiters.popleft().set_result(msg)
-                case P.Error():
-                    if self._status_waiters:
-                        self._status_waiters.popleft().set_exception(error_from(msg))
-                    else:
-                        self.stray_errors.append(msg)
+    def _on_frame(self, frame: bytes) -> None:
+        """Route one reply to its stream or status waiter (called by the socket pump)."""
+        self._last_rx = time.monotonic()
+        try:
+            msg = P.SERVER_DECODER.decode(frame)
+        except msgspec.DecodeError as exc:
+            self.decode_errors.append(str(exc))
+            return
+        match msg:
+            case P.Chunk(id=rid) | P.Error(id=rid) if rid in self._streams:
+                self._streams[rid].put(msg)
+            case P.StatusReply() if self._status_waiters:
+                self._status_waiters.popleft().set_result(msg)
+            case P.Error():
+                if self._status_waiters:
+                    self._status_waiters.popleft().set_exception(error_from(msg))
+                else:
+                    self.stray_errors.append(msg)
 
     async def _heartbeat(self) -> None:
+        """While anything is open: heartbeat, and fail every waiter once the daemon is silent for ``timeout_s``."""
         while True:
             await asyncio.sleep(self.heartbeat_s)
             if self._streams:
                 self._send_nowait(P.Heartbeat(open_ids=list(self._streams)))
-
-    async def _wait(self, awaitable: asyncio.Future):
-        """Await a reply, raising DaemonUnavailable if the daemon stays silent for ``timeout_s``."""
-        try:
-            while True:
-                done, _ = await asyncio.wait({awaitable}, timeout=self.heartbeat_s)
-                if done:
-                    return awaitable.result()
-                if time.monotonic() - self._last_rx > self.timeout_s:
-                    raise DaemonUnavailable(f"no answer from {self.address} for {self.timeout_s:.0f} s")
-        finally:
-            awaitable.cancel()  # no-op when done; stops the inner get() when the caller is cancelled
+            if (self._streams or self._status_waiters) and time.monotonic() - self._last_rx > self.timeout_s:
+                silent = DaemonUnavailable(f"no answer from {self.address} for {self.timeout_s:.0f} s")
+                for inbox in self._streams.values():
+                    inbox.fail(silent)
+                while self._status_waiters:
+                    waiter = self._status_waiters.popleft()
+                    if not waiter.done():
+                        waiter.set_exception(silent)
 
     async def generate(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
                        id: str | None = None, **params) -> AsyncIterator[P.Chunk]:
@@ -307,15 +343,15 @@ class AsyncClient:
             raise ValueError(f"request id {rid!r} is already open on this client")
         msg = _generate_message(rid, prompt, prompt_token_ids, params)
         self._start()
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[rid] = queue
+        inbox = self._streams[rid] = _Inbox()
         stream = _Stream(rid)
         try:
-            self._sock.send(P.encode(msg), zmq.NOBLOCK).exception()
+            if not self._send_nowait(msg):
+                stream.done = True
+                raise DaemonUnavailable(f"cannot send to {self.address}: its queue is full")
             self._last_rx = time.monotonic()
             while not stream.done:
-                msg = queue.get_nowait() if not queue.empty() else await self._wait(asyncio.ensure_future(queue.get()))
-                yield stream.accept(msg)
+                yield stream.accept(inbox.items.popleft() if inbox.items else await inbox.get())
         finally:
             del self._streams[rid]
             if not stream.done:
@@ -333,7 +369,7 @@ class AsyncClient:
         self._send_nowait(P.Status())
         self._last_rx = time.monotonic()
         try:
-            return await self._wait(waiter)
+            return await waiter
         finally:
             if waiter in self._status_waiters:
                 self._status_waiters.remove(waiter)

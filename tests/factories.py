@@ -10,7 +10,6 @@ as a real checkpoint while staying fast on a CPU.
 from __future__ import annotations
 
 import inspect
-import json
 import textwrap
 from pathlib import Path
 

@@ -102,12 +102,20 @@ class CompareSettings:
             on 2 cores, pools of 1 and 2 threads served 64 streams at
             310-330 tok/s, pools of 4 and 8 at 240-330 tok/s with more CPU per token).
         synthetic_requests: requests per synthetic-daemon run.
+        synthetic_concurrency: streams in flight against the synthetic daemon (also its
+            ``max_num_seqs`` and ``max_concurrency``): with 64, 1 ms steps and 32 tokens a
+            request, no serving layer could pass 64 / 32 ms = 2,000 requests/s; 256 streams
+            measure the serving layer instead of the step clock (the load generator's ceiling
+            uses the same number).
         synthetic_step_ms: the synthetic engine's step time.
         zmq_messages: messages of the ZeroMQ ceiling.
         loadgen_requests: requests of the load generator's own ceiling.
         idle_s: idle CPU sampling time.
         threads: torch intra-op threads for every part (0: half the cores, at least 1).
         model: model directory (None: the built-in model).
+        dtype: weights and activations of every system (``float32``: ringstream's default on
+            CPU, the only one where greedy output equals ``generate()`` token for token;
+            ``bfloat16``: the built-in model's stored precision, native on CPUs with AVX512-BF16).
     """
 
     concurrency: int = 64
@@ -119,13 +127,15 @@ class CompareSettings:
     naive_time_limit_s: float = 120.0
     repeats: int = 3
     seed_pool: int = 0
-    synthetic_requests: int = 10_000
+    synthetic_requests: int = 35_000
+    synthetic_concurrency: int = 256
     synthetic_step_ms: float = 1.0
     zmq_messages: int = 1_000_000
     loadgen_requests: int = 2_000
     idle_s: float = 3.0
     threads: int = 0
     model: str | None = None
+    dtype: str = "float32"
 
     def seed_threads(self) -> int:
         """Threads of the seed baseline in force."""
@@ -140,11 +150,11 @@ PRESETS: dict[str, CompareSettings] = {
     "full": CompareSettings(),
     "quick": CompareSettings(
         requests=192, naive_requests=64, seed_requests=64, naive_time_limit_s=60.0, repeats=2,
-        synthetic_requests=3_000, zmq_messages=200_000, loadgen_requests=1_000,
+        synthetic_requests=8_000, zmq_messages=200_000, loadgen_requests=4_000,
     ),
     "smoke": CompareSettings(
         concurrency=4, prompt_len=8, max_tokens=4, requests=8, naive_requests=4, seed_requests=4,
-        naive_time_limit_s=10.0, repeats=1, synthetic_requests=40, zmq_messages=2_000,
+        naive_time_limit_s=10.0, repeats=1, synthetic_requests=40, synthetic_concurrency=8, zmq_messages=2_000,
         loadgen_requests=20, idle_s=0.3,
     ),
 }
@@ -289,7 +299,8 @@ def _in_process_parts(settings: CompareSettings, report: _Report, info, spec: Wo
     prompts = [next(stream).prompt_token_ids for _ in range(settings.requests)]
     workload = baselines.Workload(prompts, settings.max_tokens, settings.concurrency)
     try:
-        model = load_model(info)
+        model = load_model(info, dtype=settings.dtype)
+        stock_attention = model.config._attn_implementation
         engine = Engine(model, load_tokenizer(info), max_num_seqs=settings.concurrency,
                         eos_token_ids=info.eos_token_ids)
     except Exception as exc:  # every in-process part needs the model: record the cause for each
@@ -316,6 +327,9 @@ def _in_process_parts(settings: CompareSettings, report: _Report, info, spec: Wo
         _measure(report, "engine", settings.repeats, lambda: _records_rate(baselines.run_engine(engine, workload)))
 
     def hf_cb() -> None:
+        # The ceiling and the engine ran with the engine's attention (daemon.attention); the
+        # transformers baselines run as transformers ships them.
+        model.set_attn_implementation(stock_attention)
         with baselines.HfContinuousBatching(model, workload) as cb:
             cb.run(workload.head(min(settings.concurrency, baselines.WARMUP_REQUESTS)))
             _measure(report, "hf-cb", settings.repeats, lambda: _records_rate(cb.run(workload)))
@@ -346,26 +360,32 @@ def _records_rate(records: list[RequestRecord]) -> tuple[float, list[RequestReco
 
 
 def _daemon_part(settings: CompareSettings, report: _Report, name: str, serve_args: list[str],
-                 spec: WorkloadSpec, requests: int, check_text: bool) -> None:
-    """Start a daemon, sample its idle CPU, warm it up, then measure ``repeats`` load runs."""
+                 spec: WorkloadSpec, requests: int, check_text: bool, concurrency: int,
+                 config: dict | None = None) -> None:
+    """Start a daemon, sample its idle CPU, warm it up, then measure ``repeats`` load runs.
+
+    ``concurrency``: streams in flight (and the daemon's ``max_concurrency``); ``config``: more
+    settings for the daemon's config file.
+    """
     import tempfile
 
     import psutil
 
     from tools.bench_serving import idle_cpu_percent, running_daemon, write_config
 
-    serve_config = {"worker_threads": settings.torch_threads()}
+    serve_config = {"worker_threads": settings.torch_threads(), "dtype": settings.dtype} | (config or {})
     with tempfile.TemporaryDirectory(prefix="ringstream-bench-config-") as tmp:
-        config = write_config(Path(tmp), serve_config)
-        args = ["--config", str(config), "--devices", "cpu", "--max-concurrency", str(settings.concurrency),
+        config_path = write_config(Path(tmp), serve_config)
+        args = ["--config", str(config_path), "--devices", "cpu", "--max-concurrency", str(concurrency),
                 *serve_args]
         with running_daemon(args) as daemon:
             time.sleep(SETTLE_S)
             processes = daemon.processes()
             idle = idle_cpu_percent(processes, settings.idle_s)
-            load = LoadConfig(daemon.address, concurrency=settings.concurrency, requests=requests,
+            load = LoadConfig(daemon.address, concurrency=concurrency, requests=requests,
                               check_text=check_text, progress=True)
-            run_load(replace(load, requests=settings.concurrency, progress=False), spec)
+            run_load(replace(load, requests=concurrency, progress=False), spec)
+            rss_before = processes[0].memory_info().rss  # the front, warmed up
             meter = _CpuMeter({"front": processes[:1], "workers": processes[1:], "loadgen": [psutil.Process()]})
             cpu_runs = []
 
@@ -380,6 +400,8 @@ def _daemon_part(settings: CompareSettings, report: _Report, name: str, serve_ar
             best = max(range(len(cpu_runs)), key=lambda i: report.systems[name]["runs_tok_s"][i])
             report.systems[name].update(
                 idle_cpu_percent=idle, cpu_percent_during_load=cpu_runs[best], command=daemon.command,
+                front_rss_mib_before=rss_before / 2**20, front_rss_mib_after=processes[0].memory_info().rss / 2**20,
+                requests_measured=requests * settings.repeats,
                 config_file=serve_config,
             )
 
@@ -388,14 +410,17 @@ def _serving_parts(settings: CompareSettings, report: _Report, spec: WorkloadSpe
     """daemon, synthetic daemon, zmq ceiling, load-generator ceiling."""
     from tools.bench_serving import loadgen_ceiling, synthetic_engine_support, zmq_ceiling
 
-    _guard(report, "daemon", lambda: _daemon_part(settings, report, "daemon", [], spec, settings.requests, False))
+    _guard(report, "daemon", lambda: _daemon_part(settings, report, "daemon", [], spec, settings.requests, False,
+                                                  settings.concurrency))
     reason = synthetic_engine_support()
     if reason is None:
         synthetic_args = ["--engine", "synthetic", "--synthetic-step-ms", str(settings.synthetic_step_ms)]
         _guard(report, "synthetic", lambda: _daemon_part(
-            settings, report, "synthetic", synthetic_args, spec, settings.synthetic_requests, True))
+            settings, report, "synthetic", synthetic_args, spec, settings.synthetic_requests, True,
+            settings.synthetic_concurrency, {"max_num_seqs": settings.synthetic_concurrency}))
         if "synthetic" in report.systems:
-            report.systems["synthetic"]["step_ms"] = settings.synthetic_step_ms
+            report.systems["synthetic"].update(step_ms=settings.synthetic_step_ms,
+                                               concurrency=settings.synthetic_concurrency)
     else:
         report.systems["synthetic"] = {"skipped": reason}
         _log(f"synthetic skipped: {reason}")
@@ -406,7 +431,8 @@ def _serving_parts(settings: CompareSettings, report: _Report, spec: WorkloadSpe
 
     def loadgen() -> None:
         report.systems["loadgen"] = loadgen_ceiling(
-            LoadConfig("", concurrency=settings.concurrency, requests=settings.loadgen_requests, progress=False), spec)
+            LoadConfig("", concurrency=settings.synthetic_concurrency, requests=settings.loadgen_requests,
+                       progress=False), spec)
 
     _guard(report, "zmq", zmq)
     _guard(report, "loadgen", loadgen)
@@ -435,6 +461,13 @@ def compare(settings: CompareSettings, command: str = PROG) -> tuple[dict, dict[
     _serving_parts(settings, report, spec)
     seconds = time.perf_counter() - started
     return _assemble(settings, report, info, machine, command, threads, seconds), report.records
+
+
+def _rss(report: dict) -> str:
+    before, after = report["synthetic_front_rss_mib_before"], report["synthetic_front_rss_mib_after"]
+    if before is None or after is None:
+        return "-"
+    return f"{before:.1f} / {after:.1f} ({report['synthetic_requests_measured']:,} requests)"
 
 
 def _assemble(settings, report: _Report, info, machine: dict, command: str, threads: int, seconds: float) -> dict:
@@ -472,6 +505,9 @@ def _assemble(settings, report: _Report, info, machine: dict, command: str, thre
         "loadgen_ceiling_tok_s": systems.get("loadgen", {}).get("tok_s"),
         "idle_cpu_percent": systems.get("daemon", {}).get("idle_cpu_percent"),
         "synthetic_idle_cpu_percent": systems.get("synthetic", {}).get("idle_cpu_percent"),
+        "synthetic_front_rss_mib_before": systems.get("synthetic", {}).get("front_rss_mib_before"),
+        "synthetic_front_rss_mib_after": systems.get("synthetic", {}).get("front_rss_mib_after"),
+        "synthetic_requests_measured": systems.get("synthetic", {}).get("requests_measured"),
     }
     ratios = {
         "engine_over_ceiling": _ratio(figures["engine_tok_s"], figures["ceiling_tok_s"]),
@@ -573,6 +609,7 @@ def print_compare(report: dict, console=None) -> None:
         ("load generator ceiling tok/s", _fmt(report["loadgen_ceiling_tok_s"], ".0f")),
         ("idle daemon CPU % (front + workers)", _fmt(report["idle_cpu_percent"], ".2f")),
         ("idle synthetic daemon CPU %", _fmt(report["synthetic_idle_cpu_percent"], ".2f")),
+        ("synthetic front RSS MiB before / after", _rss(report)),
     )
     for label, value in rows:
         serving.add_row(label, value)
@@ -584,7 +621,7 @@ def print_compare(report: dict, console=None) -> None:
     machine = report["machine"]
     console.print(
         f"{machine['cpu_model']}, {machine['logical_cores']} logical cores, torch {machine['torch_version']}, "
-        f"transformers {machine['transformers_version']}, torch threads {report['settings']['torch_threads']}, "
+        f"transformers {machine['transformers_version']}, torch threads {report['settings']['torch_threads']}, {report['settings']['dtype']}, "
         f"load average at start {machine['load_average_at_start'][0]:.2f}; {report['seconds']:.0f} s"
     )
     for name, error in report["errors"].items():
@@ -721,6 +758,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--repeats", type=int, help="runs of each throughput measurement")
     cmp.add_argument("--threads", type=int, help="torch threads of every part (default: half the cores)")
     cmp.add_argument("--seed-pool", type=int, help="threads of the seed baseline")
+    cmp.add_argument("--dtype", choices=["float32", "bfloat16"], help="dtype of every system (default float32)")
     cmp.add_argument("--synthetic-step-ms", type=float, help="synthetic engine step time (default 1 ms)")
     cmp.add_argument("--model", help="model directory (default: built-in model)")
     cmp.add_argument("--json", help="write the report to this file")
@@ -769,7 +807,7 @@ def _compare_command(args: argparse.Namespace, command: str) -> int:
     settings = PRESETS[args.preset or "full"]
     overrides = {
         "requests": args.requests, "repeats": args.repeats, "threads": args.threads, "seed_pool": args.seed_pool,
-        "synthetic_step_ms": args.synthetic_step_ms, "model": args.model,
+        "synthetic_step_ms": args.synthetic_step_ms, "model": args.model, "dtype": args.dtype,
     }
     settings = replace(settings, **{k: v for k, v in overrides.items() if v is not None})
     if args.plot:

@@ -205,11 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, help="runs of each; the best is reported")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="model dtype (bfloat16: both loops use the engine's decode attention)")
     args = parser.parse_args(argv)
 
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer, description = load(args.model_dir)
+    model.to(getattr(torch, args.dtype))
     params = sum(p.numel() for p in model.parameters())
     vocab = model.config.vocab_size
     rng = random.Random(PROMPT_SEED)

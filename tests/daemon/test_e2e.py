@@ -12,7 +12,6 @@ import sys
 import time
 
 import msgspec
-import psutil
 import pytest
 import zmq
 
@@ -216,7 +215,7 @@ def test_deadlines_end_streams_and_waiting_requests(small_daemon):
     raw = RawClient(small_daemon.address)
     try:
         raw.send(P.Generate(id="slow", prompt="Return the", max_tokens=509, temperature=0.0, ignore_eos=True,
-                            timeout_s=1.0))
+                            timeout_s=0.4))  # 509 tokens take longer (about 1 s on 2 cores, 0.5 s at 1 ms a token)
         assert raw.recv().id == "slow"
         start = time.monotonic()
         raw.send(P.Generate(id="queued", prompt="Return the", max_tokens=4, queue_timeout_s=0.2))
@@ -225,8 +224,8 @@ def test_deadlines_end_streams_and_waiting_requests(small_daemon):
         assert isinstance(error, P.Error) and error.code == P.ErrorCode.QUEUE_TIMEOUT
         assert 0.2 - 0.005 <= waited < 0.2 + 0.05, waited  # timers have ms resolution
         final = raw.recv_until_terminal("slow")[-1]
-        assert final.finish_reason == "timeout"
-        assert 0 < final.usage.completion_tokens < 509 and 1.0 <= final.usage.e2e_s < 2.0
+        assert final.finish_reason == "timeout", final.usage
+        assert 0 < final.usage.completion_tokens < 509 and 0.4 <= final.usage.e2e_s < 1.4
     finally:
         raw.close()
 

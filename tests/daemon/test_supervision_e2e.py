@@ -123,7 +123,8 @@ def test_metrics_exporter_and_status_show_the_same_figures(daemon):
     assert delta["ringstream_requests_total{status=length}"] == len(PROMPTS)
     assert delta["ringstream_generation_tokens_total"] == 5 * len(PROMPTS)
     assert delta["ringstream_time_to_first_token_seconds_count"] == len(PROMPTS)
-    assert delta["ringstream_inter_token_latency_seconds_count"] == 4 * len(PROMPTS)
+    # one sample per stream per ring read that carried its tokens: 4 gaps each, fewer when tokens were read together
+    assert len(PROMPTS) <= delta["ringstream_inter_token_latency_seconds_count"] <= 4 * len(PROMPTS)
     assert delta["ringstream_dropped_messages_total{reason=invalid}"] == 1
     for key in ("ringstream_kv_cache_usage_ratio{worker=0}", "ringstream_ring_fill_ratio{worker=1}",
                 "ringstream_worker_up{device=cpu,worker=0}", "ringstream_requests_running"):
