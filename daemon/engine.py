@@ -171,6 +171,45 @@ class CapacityError(EngineError):
     """The engine already holds ``max_num_seqs`` unfinished requests."""
 
 
+def check_request(req: EngineRequest, max_model_len: int, vocab_size: int,
+                  eos_token_ids: tuple[int, ...]) -> tuple[frozenset[int], frozenset[int]]:
+    """Check what every engine requires of a request; return ``(stop_token_ids, user_stop_token_ids)``.
+
+    ``stop_token_ids`` adds ``eos_token_ids`` to the request's own unless it
+    ignores EOS. Raises ValueError for an empty prompt, a token id outside
+    ``[0, vocab_size)``, ``len(prompt) + len(output) >= max_model_len``,
+    ``max_tokens < 1``, a temperature below 0 (or NaN), ``top_p`` outside
+    ``(0, 1]``, ``top_k < 0``, or ``output_token_ids`` (a resumed request)
+    that already hold ``max_tokens`` tokens or end with a stop token.
+    """
+    params = req.params
+    prompt = req.prompt_token_ids
+    output = req.output_token_ids
+    if not prompt:
+        raise ValueError("prompt_token_ids is empty")
+    if len(prompt) + len(output) >= max_model_len:
+        raise ValueError(
+            f"prompt ({len(prompt)}) + output ({len(output)}) tokens leave no room within max_model_len={max_model_len}"
+        )
+    if min(min(prompt), min(output, default=0)) < 0 or max(max(prompt), max(output, default=0)) >= vocab_size:
+        raise ValueError(f"token ids must be in [0, {vocab_size})")
+    if params.max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
+    if len(output) >= params.max_tokens:
+        raise ValueError(f"output_token_ids already hold max_tokens={params.max_tokens} tokens")
+    if not params.temperature >= 0:
+        raise ValueError(f"temperature must be >= 0, got {params.temperature}")
+    if not 0.0 < params.top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+    if params.top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {params.top_k}")
+    user_stop_ids = frozenset(params.stop_token_ids)
+    stop_ids = user_stop_ids if params.ignore_eos else user_stop_ids | frozenset(eos_token_ids)
+    if output and output[-1] in stop_ids:
+        raise ValueError("output_token_ids already end with a stop token")
+    return stop_ids, user_stop_ids
+
+
 class BaseEngine(abc.ABC):
     """Interface of a generation backend driven by the worker loop.
 
@@ -550,31 +589,8 @@ class Engine(BaseEngine):
         params = req.params
         prompt = req.prompt_token_ids
         output = req.output_token_ids
-        if not prompt:
-            raise ValueError("prompt_token_ids is empty")
+        stop_ids, user_stop_ids = check_request(req, self.max_model_len, self.vocab_size, self.eos_token_ids)
         input_ids = list(prompt) + list(output)
-        if len(input_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt)}) + output ({len(output)}) tokens leave no room within "
-                f"max_model_len={self.max_model_len}"
-            )
-        if min(input_ids) < 0 or max(input_ids) >= self.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
-        if params.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
-        if len(output) >= params.max_tokens:
-            raise ValueError(f"output_token_ids already hold max_tokens={params.max_tokens} tokens")
-        if not params.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {params.temperature}")
-        if not 0.0 < params.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
-        if params.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {params.top_k}")
-
-        user_stop_ids = frozenset(params.stop_token_ids)
-        stop_ids = user_stop_ids if params.ignore_eos else user_stop_ids | frozenset(self.eos_token_ids)
-        if output and output[-1] in stop_ids:
-            raise ValueError("output_token_ids already end with a stop token")
         detokenizer = IncrementalDetokenizer(self._tokenizer, params.stop, prior_token_ids=output)
         if detokenizer.stop_string is not None:
             raise ValueError("output_token_ids already contain a stop string")

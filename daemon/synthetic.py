@@ -49,6 +49,7 @@ from daemon.engine import (
     EngineError,
     EngineRequest,
     TokenOutput,
+    check_request,
 )
 
 __all__ = ["SyntheticEngine", "synthetic_text", "synthetic_token_id"]
@@ -269,31 +270,7 @@ class SyntheticEngine(BaseEngine):
         params = req.params
         prompt = req.prompt_token_ids
         output = req.output_token_ids
-        if not prompt:
-            raise ValueError("prompt_token_ids is empty")
-        if len(prompt) + len(output) >= self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt)}) + output ({len(output)}) tokens leave no room within "
-                f"max_model_len={self.max_model_len}"
-            )
-        ids = list(prompt) + list(output)
-        if min(ids) < 0 or max(ids) >= self.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
-        if params.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
-        if len(output) >= params.max_tokens:
-            raise ValueError(f"output_token_ids already hold max_tokens={params.max_tokens} tokens")
-        if not params.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {params.temperature}")
-        if not 0.0 < params.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
-        if params.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {params.top_k}")
-
-        user_stop_ids = frozenset(params.stop_token_ids)
-        stop_ids = user_stop_ids if params.ignore_eos else user_stop_ids | frozenset(self.eos_token_ids)
-        if output and output[-1] in stop_ids:
-            raise ValueError("output_token_ids already end with a stop token")
+        stop_ids, user_stop_ids = check_request(req, self.max_model_len, self.vocab_size, self.eos_token_ids)
         scanner = _StopScanner(params.stop)
         for seq_no in range(len(output)):
             scanner.add(synthetic_text(seq_no))

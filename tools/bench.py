@@ -41,8 +41,12 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from tools.bench_stats import RequestRecord, cdf, itl_samples, summarize, timeline
-from tools.loadgen import Dist, LoadConfig, WorkloadError, WorkloadSpec, parse_priority_mix, run_load
+# Every in-process system gets huge pages for large CPU tensors, as the daemon's workers do
+# (daemon.supervisor.HUGE_PAGES_ENV); PyTorch reads this at its first allocation.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+from tools.bench_stats import RequestRecord, cdf, itl_samples, summarize, timeline  # noqa: E402
+from tools.loadgen import Dist, LoadConfig, WorkloadError, WorkloadSpec, parse_priority_mix, run_load  # noqa: E402
 
 PROG = "ringstream-bench"
 IN_PROCESS_SYSTEMS = ("ceiling", "engine", "hf-cb", "seed", "naive")
@@ -385,7 +389,7 @@ def _daemon_part(settings: CompareSettings, report: _Report, name: str, serve_ar
             load = LoadConfig(daemon.address, concurrency=concurrency, requests=requests,
                               check_text=check_text, progress=True)
             run_load(replace(load, requests=concurrency, progress=False), spec)
-            rss_before = processes[0].memory_info().rss  # the front, warmed up
+            rss_before = _private_mib(processes[0])  # the front, warmed up
             meter = _CpuMeter({"front": processes[:1], "workers": processes[1:], "loadgen": [psutil.Process()]})
             cpu_runs = []
 
@@ -400,7 +404,7 @@ def _daemon_part(settings: CompareSettings, report: _Report, name: str, serve_ar
             best = max(range(len(cpu_runs)), key=lambda i: report.systems[name]["runs_tok_s"][i])
             report.systems[name].update(
                 idle_cpu_percent=idle, cpu_percent_during_load=cpu_runs[best], command=daemon.command,
-                front_rss_mib_before=rss_before / 2**20, front_rss_mib_after=processes[0].memory_info().rss / 2**20,
+                front_rss_mib_before=rss_before, front_rss_mib_after=_private_mib(processes[0]),
                 requests_measured=requests * settings.repeats,
                 config_file=serve_config,
             )
@@ -461,6 +465,15 @@ def compare(settings: CompareSettings, command: str = PROG) -> tuple[dict, dict[
     _serving_parts(settings, report, spec)
     seconds = time.perf_counter() - started
     return _assemble(settings, report, info, machine, command, threads, seconds), report.records
+
+
+def _private_mib(proc) -> float:
+    """Resident private anonymous memory of ``proc`` (``RssAnon``), MiB: RSS without files and shared rings."""
+    with open(f"/proc/{proc.pid}/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def _rss(report: dict) -> str:
@@ -609,7 +622,7 @@ def print_compare(report: dict, console=None) -> None:
         ("load generator ceiling tok/s", _fmt(report["loadgen_ceiling_tok_s"], ".0f")),
         ("idle daemon CPU % (front + workers)", _fmt(report["idle_cpu_percent"], ".2f")),
         ("idle synthetic daemon CPU %", _fmt(report["synthetic_idle_cpu_percent"], ".2f")),
-        ("synthetic front RSS MiB before / after", _rss(report)),
+        ("synthetic front private RSS MiB before / after", _rss(report)),
     )
     for label, value in rows:
         serving.add_row(label, value)

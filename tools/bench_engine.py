@@ -31,13 +31,18 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
+# Huge pages for large CPU tensors, as ringstream's workers have them (daemon.supervisor.HUGE_PAGES_ENV);
+# read by PyTorch at its first allocation, so set before torch loads. Set it to 0 to compare.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+import torch  # noqa: E402
 
 from daemon.engine import Engine, EngineRequest, SamplingParams
 

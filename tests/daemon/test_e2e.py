@@ -225,7 +225,7 @@ def test_deadlines_end_streams_and_waiting_requests(small_daemon):
         assert 0.2 - 0.005 <= waited < 0.2 + 0.05, waited  # timers have ms resolution
         final = raw.recv_until_terminal("slow")[-1]
         assert final.finish_reason == "timeout", final.usage
-        assert 0 < final.usage.completion_tokens < 509 and 0.4 <= final.usage.e2e_s < 1.4
+        assert 0 < final.usage.completion_tokens < 509 and 0.4 - 0.005 <= final.usage.e2e_s < 1.4  # timers have ms resolution
     finally:
         raw.close()
 
