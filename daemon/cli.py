@@ -8,6 +8,7 @@ import os
 import sys
 
 import msgspec
+import zmq
 
 from ipc.protocol import to_dict
 
@@ -21,10 +22,19 @@ def _add_address(parser: argparse.ArgumentParser) -> None:
                         help="CURVE: this client's secret certificate, whose public key the daemon lists")
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default in its help, unless there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False or "(default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ringstream", description="Host-local LLM inference daemon.")
     sub = parser.add_subparsers(dest="command", required=True)
-    defaults = argparse.ArgumentDefaultsHelpFormatter
+    defaults = _DefaultsHelp
 
     serve = sub.add_parser("serve", formatter_class=defaults, help="run the daemon in the foreground")
     serve.add_argument("--config", help="TOML config file")
@@ -82,15 +92,31 @@ def main(argv: list[str] | None = None) -> int:
         # stdout closed early (| head): stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the client has cancelled its requests on the way out
+        print(file=sys.stderr)
+        return 130
 
 
 def _check_address(args: argparse.Namespace) -> str:
-    """The address to use; fails at once (ValueError) when its ipc socket file does not exist."""
-    from ipc.address import default_socket
+    """The address to use; fails at once (ValueError) when nothing listens on its ipc socket.
+
+    Raises ValueError for an address that is neither ``ipc://`` nor ``tcp://``.
+    """
+    from ipc.address import default_socket, unix_socket_listening
 
     address = args.socket or default_socket(args.instance)
-    if address.startswith("ipc://") and not os.path.exists(address[len("ipc://"):]):
-        raise ValueError(f"no daemon at {address} (the socket file does not exist)")
+    if not address.startswith(("ipc://", "tcp://")):
+        raise ValueError(f"--socket {address!r}: use ipc://PATH or tcp://HOST:PORT")
+    if address.startswith("ipc://"):
+        path = address[len("ipc://"):]
+        if not os.path.exists(path):
+            raise ValueError(f"no daemon at {address} (the socket file does not exist)")
+        try:
+            listening = unix_socket_listening(path)
+        except OSError as exc:
+            raise ValueError(f"cannot connect to {address}: {exc}") from exc
+        if not listening:
+            raise ValueError(f"no daemon at {address} (a stale socket file: its daemon is gone)")
     return address
 
 
@@ -156,6 +182,7 @@ def _generate(args: argparse.Namespace) -> int:
     params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                   seed=args.seed, stop=args.stop, priority=args.priority, stop_token_ids=args.stop_token_id,
                   ignore_eos=args.ignore_eos, timeout_s=args.timeout, queue_timeout_s=args.queue_timeout)
+    wrote = False
     try:
         with _client(args) as client:
             for chunk in client.generate(args.prompt, **params):
@@ -163,10 +190,11 @@ def _generate(args: argparse.Namespace) -> int:
                     sys.stdout.write(msgspec.json.encode(to_dict(chunk)).decode() + "\n")
                 else:
                     sys.stdout.write(chunk.text)
+                    wrote = wrote or bool(chunk.text)
                 sys.stdout.flush()
                 last = chunk
-    except (RingstreamError, msgspec.ValidationError, ValueError) as exc:
-        print(f"\nringstream: {exc}", file=sys.stderr)
+    except (RingstreamError, msgspec.ValidationError, ValueError, OverflowError, zmq.ZMQError) as exc:
+        print(f"{chr(10) if wrote else ''}ringstream: {exc}", file=sys.stderr)
         return 1
     if not args.json:
         print(f"\n[{last.finish_reason}; {last.usage.completion_tokens} tokens]", file=sys.stderr)
@@ -191,7 +219,7 @@ def _admin(args: argparse.Namespace) -> int:
         settings = dict(parse_setting(item) for item in args.settings)
         with _client(args, timeout_s=5.0) as client:
             reply = client.admin(**settings)
-    except (ValueError, RingstreamError) as exc:
+    except (ValueError, RingstreamError, zmq.ZMQError) as exc:
         print(f"ringstream: {exc}", file=sys.stderr)
         return 1
     print(" ".join(f"{k}={v}" for k, v in reply.settings.items()))
@@ -204,7 +232,7 @@ def _status(args: argparse.Namespace) -> int:
     try:
         with _client(args, timeout_s=5.0) as client:
             reply = client.status()
-    except (RingstreamError, ValueError) as exc:
+    except (RingstreamError, ValueError, zmq.ZMQError) as exc:
         print(f"ringstream: {exc}", file=sys.stderr)
         return 1
     if args.json:

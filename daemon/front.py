@@ -38,7 +38,6 @@ import itertools
 import logging
 import os
 import signal
-import socket
 import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -60,6 +59,7 @@ from daemon.supervisor import (
 )
 from daemon.validate import RequestRejected, Validator
 from ipc import protocol as P
+from ipc.address import unix_socket_listening
 from ipc.aio import SocketPump
 from ipc.ring import KIND_ERROR, KIND_FINISH, KIND_TOKEN
 
@@ -1113,18 +1113,12 @@ def refuse_live_socket(path: str) -> None:
     ZeroMQ would silently unlink and re-bind it, stealing another daemon's
     clients; a stale file (nobody listening) is fine to replace.
     """
-    if not os.path.exists(path):
-        return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        return
+        live = unix_socket_listening(path)
     except OSError as exc:
         raise StartupError(f"socket {path}: {exc}") from exc
-    finally:
-        probe.close()
-    raise StartupError(f"socket {path} is in use by another process (another daemon?)")
+    if live:
+        raise StartupError(f"socket {path} is in use by another process (another daemon?)")
 
 
 def _guess_id(frame: bytes) -> str | None:

@@ -26,3 +26,22 @@ def default_socket(instance: str = "default") -> str:
     if os.environ.get("RUNTIME_DIRECTORY"):
         return f"ipc://{runtime_dir() / 'ringstream.sock'}"
     return f"ipc://{runtime_dir() / f'{instance}.sock'}"
+
+
+def unix_socket_listening(path: str) -> bool:
+    """Whether a process accepts connections on the unix socket ``path`` (False: no file, or a stale one).
+
+    Connects and closes at once (a ZeroMQ listener sees a connection that ends
+    before its handshake, and drops it). Raises OSError for anything else, e.g.
+    ``PermissionError`` when this user may not connect.
+    """
+    import socket
+
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    finally:
+        probe.close()
+    return True

@@ -178,11 +178,24 @@ def _dealer(ctx: zmq.Context, address: str, identity: bytes | None, curve_server
     return sock
 
 
-def _generate_message(rid: str, prompt: str | None, prompt_token_ids: list[int] | None, params: dict) -> P.Generate:
+def _generate_frame(rid: str, prompt: str | None, prompt_token_ids: list[int] | None, params: dict) -> bytes:
+    """The encoded ``Generate``; TypeError for an unknown parameter, InvalidRequest for what cannot be sent.
+
+    What cannot be sent: an integer outside msgpack's 64-bit range, or a frame
+    over the daemon's ``MAX_FRAME_BYTES`` (ZeroMQ would drop the connection).
+    """
     try:
-        return P.Generate(id=rid, prompt=prompt, prompt_token_ids=prompt_token_ids, **params)
+        msg = P.Generate(id=rid, prompt=prompt, prompt_token_ids=prompt_token_ids, **params)
     except TypeError as exc:
         raise TypeError(f"generate(): {exc}") from None
+    try:
+        frame = P.encode(msg)
+    except OverflowError as exc:
+        raise InvalidRequest(f"{P.ErrorCode.INVALID_REQUEST}: {exc}", rid) from None
+    if len(frame) > P.MAX_FRAME_BYTES:
+        raise InvalidRequest(f"{P.ErrorCode.INVALID_REQUEST}: the request is {len(frame):,} bytes encoded; the daemon "
+                             f"takes at most {P.MAX_FRAME_BYTES:,} (prompts: {P.MAX_PROMPT_CHARS:,} characters)", rid)
+    return frame
 
 
 def _join(chunks: list[P.Chunk]) -> Completion:
@@ -196,25 +209,30 @@ def _join(chunks: list[P.Chunk]) -> Completion:
 class _Inbox:
     """Replies of one stream of an :class:`AsyncClient`, awaited without a timer per reply."""
 
-    __slots__ = ("items", "waiter")
+    __slots__ = ("items", "waiter", "error")
 
     def __init__(self) -> None:
         self.items: deque = deque()
         self.waiter: asyncio.Future | None = None
+        self.error: Exception | None = None
 
     def put(self, msg) -> None:
         self.items.append(msg)
+        self.error = None  # the daemon spoke again
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
 
     def fail(self, exc: Exception) -> None:
-        """Wake the stream with ``exc`` when it waits for a reply."""
+        """Make the stream's next wait for a reply (or the current one) raise ``exc``."""
+        self.error = exc
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_exception(exc)
 
     async def get(self):
-        """The next reply; raises what :meth:`fail` gave while waiting."""
+        """The next reply; raises what :meth:`fail` gave when no reply is queued."""
         while not self.items:
+            if self.error is not None:
+                raise self.error
             self.waiter = asyncio.get_running_loop().create_future()
             try:
                 await self.waiter
@@ -266,9 +284,17 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        """Cancel open streams on the daemon and close the socket."""
-        for rid in list(self._streams):
+        """Cancel open streams on the daemon and close the socket.
+
+        A stream still being read elsewhere raises :class:`RingstreamError` at its next wait.
+        """
+        closed = RingstreamError("the client was closed")
+        for rid, inbox in list(self._streams.items()):
             self._send_nowait(P.Cancel(id=rid))
+            inbox.fail(closed)
+        for waiter in self._status_waiters:
+            if not waiter.done():
+                waiter.set_exception(closed)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -283,10 +309,12 @@ class AsyncClient:
             self._pump.start()
             self._tasks = [asyncio.create_task(self._heartbeat())]
 
-    def _send_nowait(self, msg) -> bool:
-        """Send without waiting; False if the socket's queue is full (the message is not sent)."""
+    def _send_nowait(self, msg: P.Struct | bytes) -> bool:
+        """Send without waiting; False if the socket's queue is full or the client is closed (nothing sent)."""
+        if self._sock.closed:
+            return False
         try:
-            self._sock.send(P.encode(msg), zmq.NOBLOCK)
+            self._sock.send(msg if isinstance(msg, bytes) else P.encode(msg), zmq.NOBLOCK)
             return True
         except zmq.Again:
             return False
@@ -341,12 +369,12 @@ class AsyncClient:
         rid = id or f"{self._prefix}-{next(self._ids)}"
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already open on this client")
-        msg = _generate_message(rid, prompt, prompt_token_ids, params)
+        frame = _generate_frame(rid, prompt, prompt_token_ids, params)
         self._start()
         inbox = self._streams[rid] = _Inbox()
         stream = _Stream(rid)
         try:
-            if not self._send_nowait(msg):
+            if not self._send_nowait(frame):
                 stream.done = True
                 raise DaemonUnavailable(f"cannot send to {self.address}: its queue is full")
             self._last_rx = time.monotonic()
@@ -431,8 +459,9 @@ class Client:
         self._sock.close(linger=0)
         self._ctx.term()
 
-    def _send(self, msg) -> None:
-        self._sock.send(P.encode(msg), zmq.NOBLOCK)
+    def _send(self, msg: P.Struct | bytes) -> None:
+        if not self._sock.closed:  # a stream left open after close() has nothing to cancel any more
+            self._sock.send(msg if isinstance(msg, bytes) else P.encode(msg), zmq.NOBLOCK)
 
     def _pump(self) -> None:
         """Receive one message (heartbeating while streams are open) and route it."""
@@ -464,10 +493,10 @@ class Client:
         rid = id or f"{self._prefix}-{next(self._ids)}"
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already open on this client")
-        msg = _generate_message(rid, prompt, prompt_token_ids, params)
+        frame = _generate_frame(rid, prompt, prompt_token_ids, params)
         stream = self._streams[rid] = _Stream(rid)
         try:
-            self._send(msg)
+            self._send(frame)
             while not stream.done:
                 while not stream.inbox:
                     self._pump()

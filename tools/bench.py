@@ -71,6 +71,12 @@ RATIO_LABELS = {
     "synthetic_tok_s_over_daemon": "synthetic / daemon (tok/s)",
 }
 """Row labels of the ratios table, by ratio key (``ratio_<key>`` in the JSON report)."""
+RATIO_TARGETS = {
+    "engine_over_ceiling": 0.9, "daemon_over_engine": 0.9, "daemon_over_naive": 30.0, "daemon_over_seed": 10.0,
+    "daemon_over_hf_cb": 3.0, "naive_p99_ttft_over_daemon": 1.0, "seed_p99_ttft_over_daemon": 1.0,
+    "synthetic_tok_s_over_zmq_msg_s": 0.3,
+}
+"""The project's performance targets (each ratio at least this), shown beside the measured ratios."""
 CONSOLE_WIDTH = 150
 """Width of the tables when the output is not a terminal (a file or a pipe)."""
 ERROR_CELL_CHARS = 40
@@ -604,8 +610,11 @@ def print_compare(report: dict, console=None) -> None:
     ratios = Table(title="ratios")
     ratios.add_column("ratio")
     ratios.add_column("value", justify="right")
+    ratios.add_column("target", justify="right")
     for key, label in RATIO_LABELS.items():
-        ratios.add_row(label, _fmt(report[f"ratio_{key}"], ".3f"))
+        value, target = report[f"ratio_{key}"], RATIO_TARGETS.get(key)
+        verdict = "" if target is None or value is None else f">= {target:g} {'met' if value >= target else 'MISSED'}"
+        ratios.add_row(label, _fmt(value, ".3f"), verdict)
     console.print(ratios)
 
     serving = Table(title="serving layer")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
 import time
@@ -10,8 +11,9 @@ import time
 import pytest
 import zmq
 
+from daemon import cli
 from ipc import protocol as P
-from ipc.client import AsyncClient, Client, UnknownRequest
+from ipc.client import AsyncClient, Client, InvalidRequest, RingstreamError, UnknownRequest
 from tests.daemon_helpers import running_daemon, wait_exit
 
 
@@ -91,3 +93,51 @@ def test_a_clean_stop_leaves_no_socket_files(tmp_path):
         assert d.stop() == 0
     leftovers = [p.name for p in tmp_path.rglob("*") if p.suffix in (".sock", ".events", ".cmd", ".lock")]
     assert not leftovers, leftovers
+
+
+def test_one_failed_request_of_a_gather_ends_the_others_quietly(tmp_path):
+    """A failure inside ``async with`` closes the client under streams still running: they end, nothing is logged."""
+    with running_daemon(tmp_path) as d:
+        problems: list[dict] = []
+
+        async def main():
+            asyncio.get_running_loop().set_exception_handler(lambda loop, context: problems.append(context))
+            async with AsyncClient(d.address) as client:
+                with pytest.raises(InvalidRequest):
+                    await asyncio.gather(*(client.complete("Return the", max_tokens=200, ignore_eos=True)
+                                           for _ in range(5)), client.complete("The", max_tokens=-1))
+            await asyncio.sleep(0.2)
+            left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            results = await asyncio.gather(*left, return_exceptions=True)
+            assert all(isinstance(r, RingstreamError) for r in results), results
+
+        asyncio.run(main())
+        assert problems == []
+        with Client(d.address) as client:
+            deadline = time.monotonic() + 10
+            while client.status().running:
+                assert time.monotonic() < deadline, "the closed client's requests kept running"
+                time.sleep(0.05)
+
+
+def test_what_cannot_be_sent_is_refused_by_the_client(tmp_path):
+    with running_daemon(tmp_path) as d, Client(d.address) as client:
+        with pytest.raises(InvalidRequest, match="at most 4,194,304"):
+            client.complete("x" * (P.MAX_FRAME_BYTES + 1))
+        with pytest.raises(InvalidRequest, match="serialize"):
+            client.complete("Return the", priority=10**20)
+        assert client.complete("Return the", max_tokens=3).usage.completion_tokens == 3
+
+
+def test_the_cli_fails_fast_on_a_stale_socket_and_a_bad_address(tmp_path, capsys):
+    stale = tmp_path / "stale.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(stale))
+    listener.close()  # the file stays, nobody listens: a killed daemon's socket
+    start = time.monotonic()
+    assert cli.main(["generate", "--socket", f"ipc://{stale}", "hello"]) == 1
+    assert cli.main(["status", "--socket", f"ipc://{stale}"]) == 1
+    assert time.monotonic() - start < 2.0
+    assert capsys.readouterr().err.count("a stale socket file") == 2
+    assert cli.main(["status", "--socket", str(stale)]) == 1
+    assert "use ipc://PATH or tcp://HOST:PORT" in capsys.readouterr().err
