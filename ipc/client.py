@@ -268,6 +268,7 @@ class AsyncClient:
         self._pump = SocketPump(self._sock, self._on_frame)
         self._streams: dict[str, _Inbox] = {}
         self._status_waiters: deque[asyncio.Future] = deque()
+        self._closed = False
         self._ids = itertools.count()
         self._prefix = os.urandom(4).hex()
         self._last_rx = time.monotonic()
@@ -288,6 +289,7 @@ class AsyncClient:
 
         A stream still being read elsewhere raises :class:`RingstreamError` at its next wait.
         """
+        self._closed = True
         closed = RingstreamError("the client was closed")
         for rid, inbox in list(self._streams.items()):
             self._send_nowait(P.Cancel(id=rid))
@@ -303,11 +305,27 @@ class AsyncClient:
         self._sock.close(linger=0)
         self._ctx.term()
 
-    def _start(self) -> None:
+    def _begin(self) -> None:
+        """Before a request: check the client is open, start its reader and heartbeat, start the silence clock.
+
+        The clock (``timeout_s`` of silence) restarts only when nothing was
+        outstanding: new requests must not hide a daemon that stopped answering
+        the ones already open. Raises RingstreamError after :meth:`close`.
+        """
+        if self._closed:
+            raise RingstreamError("the client is closed")
         if not self._tasks:
-            self._last_rx = time.monotonic()
             self._pump.start()
             self._tasks = [asyncio.create_task(self._heartbeat())]
+        if not self._streams and not self._status_waiters:
+            self._last_rx = time.monotonic()
+
+    def _next_waiter(self) -> asyncio.Future | None:
+        """The oldest status waiter still waiting (cancelled ones are dropped), or None."""
+        waiters = self._status_waiters
+        while waiters and waiters[0].done():
+            waiters.popleft()
+        return waiters.popleft() if waiters else None
 
     def _send_nowait(self, msg: P.Struct | bytes) -> bool:
         """Send without waiting; False if the socket's queue is full or the client is closed (nothing sent)."""
@@ -332,13 +350,14 @@ class AsyncClient:
         match msg:
             case P.Chunk(id=rid) | P.Error(id=rid) if rid in self._streams:
                 self._streams[rid].put(msg)
-            case P.StatusReply() if self._status_waiters:
-                self._status_waiters.popleft().set_result(msg)
+            case P.StatusReply():
+                waiter = self._next_waiter()
+                if waiter is not None:
+                    waiter.set_result(msg)
+            case P.Error(id=None) if (waiter := self._next_waiter()) is not None:
+                waiter.set_exception(error_from(msg))  # an admin refusal; errors naming a request are not theirs
             case P.Error():
-                if self._status_waiters:
-                    self._status_waiters.popleft().set_exception(error_from(msg))
-                else:
-                    self.stray_errors.append(msg)
+                self.stray_errors.append(msg)  # e.g. UNKNOWN_REQUEST for the cancel of a stream that had ended
 
     async def _heartbeat(self) -> None:
         """While anything is open: heartbeat, and fail every waiter once the daemon is silent for ``timeout_s``."""
@@ -370,14 +389,13 @@ class AsyncClient:
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already open on this client")
         frame = _generate_frame(rid, prompt, prompt_token_ids, params)
-        self._start()
+        self._begin()
         inbox = self._streams[rid] = _Inbox()
         stream = _Stream(rid)
         try:
             if not self._send_nowait(frame):
                 stream.done = True
                 raise DaemonUnavailable(f"cannot send to {self.address}: its queue is full")
-            self._last_rx = time.monotonic()
             while not stream.done:
                 yield stream.accept(inbox.items.popleft() if inbox.items else await inbox.get())
         finally:
@@ -391,11 +409,12 @@ class AsyncClient:
 
     async def status(self) -> P.StatusReply:
         """The daemon's live figures. Raises DaemonUnavailable if it does not answer."""
-        self._start()
+        self._begin()
         waiter = asyncio.get_running_loop().create_future()
         self._status_waiters.append(waiter)
-        self._send_nowait(P.Status())
-        self._last_rx = time.monotonic()
+        if not self._send_nowait(P.Status()):
+            self._status_waiters.remove(waiter)
+            raise DaemonUnavailable(f"cannot send to {self.address}: its queue is full")
         try:
             return await waiter
         finally:
@@ -439,6 +458,7 @@ class Client:
             self._ctx.term()
             raise
         self._streams: dict[str, _Stream] = {}
+        self._refusals: deque[P.Error] = deque()
         self._status: deque[P.StatusReply] = deque()
         self._ids = itertools.count()
         self._prefix = os.urandom(4).hex()
@@ -484,6 +504,9 @@ class Client:
                 self._streams[rid].inbox.append(msg)
             case P.StatusReply():
                 self._status.append(msg)
+            case P.Error(id=None):
+                self._refusals.append(msg)  # an admin refusal (errors naming a request are not one)
+                self.stray_errors.append(msg)
             case P.Error():
                 self.stray_errors.append(msg)
 
@@ -524,12 +547,12 @@ class Client:
         Raises :class:`InvalidRequest` for an unknown setting or a bad value.
         """
         self._status.clear()
-        errors = len(self.stray_errors)
+        self._refusals.clear()
         self._send(P.Admin(settings=settings))
         while not self._status:
             self._pump()
-            if len(self.stray_errors) > errors:
-                raise error_from(self.stray_errors[-1])
+            if self._refusals:
+                raise error_from(self._refusals.popleft())
         return self._status.popleft()
 
     def wait_ready(self, timeout_s: float = 300.0) -> P.StatusReply:

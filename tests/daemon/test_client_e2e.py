@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 import socket
 import subprocess
 import sys
@@ -13,7 +15,7 @@ import zmq
 
 from daemon import cli
 from ipc import protocol as P
-from ipc.client import AsyncClient, Client, InvalidRequest, RingstreamError, UnknownRequest
+from ipc.client import AsyncClient, Client, DaemonUnavailable, InvalidRequest, RingstreamError, UnknownRequest
 from tests.daemon_helpers import running_daemon, wait_exit
 
 
@@ -141,3 +143,53 @@ def test_the_cli_fails_fast_on_a_stale_socket_and_a_bad_address(tmp_path, capsys
     assert capsys.readouterr().err.count("a stale socket file") == 2
     assert cli.main(["status", "--socket", str(stale)]) == 1
     assert "use ipc://PATH or tcp://HOST:PORT" in capsys.readouterr().err
+
+
+def test_async_client_routing_and_lifetime_edges(tmp_path):
+    """Errors naming ended streams, cancelled status calls, use after close, a daemon that stops answering."""
+    with running_daemon(tmp_path, "--engine", "synthetic", "--devices", "cpu") as d:
+        problems: list[dict] = []
+
+        async def main():
+            asyncio.get_running_loop().set_exception_handler(lambda loop, context: problems.append(context))
+            async with AsyncClient(d.address) as client:
+                # the cancel of a stream whose last chunk was already on its way gets UNKNOWN_REQUEST: not status()'s
+                stream = client.generate(prompt_token_ids=[5, 6], max_tokens=50, ignore_eos=True)
+                await stream.__anext__()
+                await asyncio.sleep(0.3)
+                await stream.aclose()
+                assert (await client.status()).ready
+                assert [e.code for e in client.stray_errors] == [P.ErrorCode.UNKNOWN_REQUEST]
+                # status() calls abandoned by their callers do not swallow the replies of later ones
+                for delay in [0.0002, 0.0005, 0.001, 0.002] * 25:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(client.status(), delay)
+                assert (await client.status()).ready
+            with pytest.raises(RingstreamError, match="closed"):
+                await client.complete(prompt_token_ids=[5], max_tokens=2)
+
+            # a stopped daemon is noticed within timeout_s even while new requests keep starting
+            async with AsyncClient(d.address, timeout_s=1.0, heartbeat_s=0.1) as client:
+                first = client.generate(prompt_token_ids=[5, 6], max_tokens=100_000 // 200, ignore_eos=True)
+                await first.__anext__()
+                d.proc.send_signal(signal.SIGSTOP)
+                starters: list[asyncio.Task] = []
+
+                async def keep_starting() -> None:
+                    while True:
+                        starters.append(asyncio.create_task(client.complete(prompt_token_ids=[7], max_tokens=4)))
+                        await asyncio.sleep(0.2)
+
+                starter = asyncio.create_task(keep_starting())
+                try:
+                    with pytest.raises(DaemonUnavailable):
+                        async with asyncio.timeout(10):  # without the silence clock: TimeoutError here
+                            async for _ in first:
+                                pass
+                finally:
+                    starter.cancel()
+                    d.proc.send_signal(signal.SIGCONT)
+                await asyncio.gather(*starters, return_exceptions=True)
+
+        asyncio.run(main())
+        assert problems == []
