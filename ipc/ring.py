@@ -286,9 +286,12 @@ def _validate_u64(value: int, what: str) -> None:
 
 
 def _pid_is_alive(pid: int) -> bool:
-    """True unless ``pid`` provably names no process (conservative).
+    """True unless ``pid`` provably names no process, or a zombie (conservative otherwise).
 
-    A zombie, a process of another user and a reused pid all count as alive;
+    A zombie has exited and can never touch the ring again (its pid cannot be
+    reused until it is reaped), so it counts as dead: a daemon killed by
+    SIGKILL stays a zombie until its parent reaps it, and a restart must not
+    wait for that. A process of another user and a reused pid count as alive;
     so does a pid that cannot be a real process, since a header carrying one
     cannot be trusted.  All processes sharing a ring must share a pid
     namespace.
@@ -303,7 +306,18 @@ def _pid_is_alive(pid: int) -> bool:
         return True
     except OverflowError:
         return True
-    return True
+    return not _is_zombie(pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    """Whether ``/proc/<pid>/stat`` shows state ``Z`` (exited, not yet reaped); False when unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            data = stat_file.read()
+    except OSError:
+        return False
+    # "pid (comm) S ...": comm may hold spaces and parentheses, so the state follows the last ')'.
+    return data[data.rfind(b")") + 2:data.rfind(b")") + 3] == b"Z"
 
 
 def _check_free_space(total: int) -> None:

@@ -288,6 +288,31 @@ def test_stale_segment_with_dead_pid_written_in_header(make_name: Callable[[], s
         assert reclaimed.instance_id != owner.instance_id
 
 
+def test_stale_segment_of_a_zombie_owner_is_reclaimed(make_name: Callable[[], str]) -> None:
+    """A SIGKILLed owner not yet reaped by its parent must not block the next owner."""
+    name = make_name()
+    script = (
+        "import os, signal\n"
+        "from ipc.ring import RingConsumer\n"
+        f"ring = RingConsumer.create({name!r}, {SMALL_CAPACITY}, instance_id=7)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # wait for the zombie without reaping it
+            with open(f"/proc/{child.pid}/stat", "rb") as stat_file:
+                if stat_file.read().rsplit(b")", 1)[1][1:2] == b"Z":
+                    break
+            assert time.monotonic() < deadline, "the child did not exit"
+            time.sleep(0.01)
+        os.kill(child.pid, 0)  # still a process as far as kill(2) can tell
+        with RingConsumer.create(name, SMALL_CAPACITY, instance_id=8) as reclaimed:
+            assert reclaimed.instance_id == 8
+    finally:
+        child.wait()
+
+
 def test_stale_segment_being_reclaimed_elsewhere_is_not_touched(
     make_name: Callable[[], str],
 ) -> None:
