@@ -196,14 +196,14 @@ class Worker:
         self.spec = spec
         self.stopping = False
         self.ctx = zmq.Context()
-        # Never reconnect: the paths are bound by our front before we start, and once it is gone a new
-        # daemon of the same instance may bind them again; a worker of the old one must not receive its
-        # commands (ZeroMQ would load-balance them to us) or send it events.
+        # Commands never reconnect: the path is bound by our front before we start, and once it is gone a
+        # new daemon of the same instance may bind it again; a worker of the old one must not be handed its
+        # commands (ZeroMQ would load-balance them to us). Events keep reconnecting: a PUSH without a peer
+        # blocks its sends, which would keep a worker of a dead front from ever reaching its exit check.
         self.commands = self.ctx.socket(zmq.PULL)
         self.commands.setsockopt(zmq.RECONNECT_IVL, -1)
         self.commands.connect(spec.command_address)
         self.events = self.ctx.socket(zmq.PUSH)
-        self.events.setsockopt(zmq.RECONNECT_IVL, -1)
         self.events.setsockopt(zmq.LINGER, 1000)
         self.events.connect(spec.event_address)
         self.engine = None

@@ -158,24 +158,30 @@ def _new_identity() -> bytes:
     return b"rs-" + os.urandom(8).hex().encode()
 
 
-def _dealer(ctx: zmq.Context, address: str, identity: bytes | None, curve_server_key: bytes | None,
-            curve_public_key: bytes | None, curve_secret_key: bytes | None) -> zmq.Socket:
-    """A DEALER socket connected to ``address``, CURVE-secured when keys are given.
+def _connect(address: str, identity: bytes | None, curve_server_key: bytes | None,
+             curve_public_key: bytes | None, curve_secret_key: bytes | None) -> tuple[zmq.Context, zmq.Socket]:
+    """A new context and a DEALER socket of it connected to ``address``, CURVE-secured when keys are given.
 
-    Raises ValueError unless all three CURVE keys or none are given.
+    Raises ValueError unless all three CURVE keys or none are given (nothing is left open then).
     """
     keys = (curve_server_key, curve_public_key, curve_secret_key)
     if any(k is not None for k in keys) and not all(k is not None for k in keys):
         raise ValueError("CURVE needs curve_server_key, curve_public_key and curve_secret_key together")
+    ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.ROUTING_ID, identity or _new_identity())
-    sock.setsockopt(zmq.LINGER, 0)
-    if curve_server_key is not None:
-        sock.curve_serverkey = curve_server_key
-        sock.curve_publickey = curve_public_key
-        sock.curve_secretkey = curve_secret_key
-    sock.connect(address)
-    return sock
+    try:
+        sock.setsockopt(zmq.ROUTING_ID, identity or _new_identity())
+        sock.setsockopt(zmq.LINGER, 0)
+        if curve_server_key is not None:
+            sock.curve_serverkey = curve_server_key
+            sock.curve_publickey = curve_public_key
+            sock.curve_secretkey = curve_secret_key
+        sock.connect(address)
+    except Exception:  # e.g. ZMQError for a malformed address: close what was opened
+        sock.close(linger=0)
+        ctx.term()
+        raise
+    return ctx, sock
 
 
 def _generate_frame(rid: str, prompt: str | None, prompt_token_ids: list[int] | None, params: dict) -> bytes:
@@ -248,7 +254,8 @@ class AsyncClient:
     socket, see :func:`ipc.address.default_socket`). ``identity``: a fixed
     ZeroMQ routing id (default: random per client). ``heartbeat_s`` and
     ``timeout_s`` in seconds. ``curve_*``: CURVE keys (Z85 bytes), see the
-    module docstring; ValueError unless all three or none are given.
+    module docstring; ValueError unless all three or none are given;
+    ``zmq.ZMQError`` for an address ZeroMQ cannot use (e.g. no ``ipc://``/``tcp://``).
     """
 
     def __init__(self, address: str | None = None, *, instance: str = "default", identity: bytes | None = None,
@@ -258,13 +265,8 @@ class AsyncClient:
         self.address = address or default_socket(instance)
         self.heartbeat_s = heartbeat_s
         self.timeout_s = timeout_s
-        self._ctx = zmq.Context()
-        try:
-            self._sock = _dealer(self._ctx, self.address, identity, curve_server_key, curve_public_key,
-                                 curve_secret_key)
-        except ValueError:
-            self._ctx.term()
-            raise
+        self._ctx, self._sock = _connect(self.address, identity, curve_server_key, curve_public_key,
+                                         curve_secret_key)
         self._pump = SocketPump(self._sock, self._on_frame)
         self._streams: dict[str, _Inbox] = {}
         self._status_waiters: deque[asyncio.Future] = deque()
@@ -450,13 +452,8 @@ class Client:
         self.address = address or default_socket(instance)
         self.heartbeat_s = heartbeat_s
         self.timeout_s = timeout_s
-        self._ctx = zmq.Context()
-        try:
-            self._sock = _dealer(self._ctx, self.address, identity, curve_server_key, curve_public_key,
-                                 curve_secret_key)
-        except ValueError:
-            self._ctx.term()
-            raise
+        self._ctx, self._sock = _connect(self.address, identity, curve_server_key, curve_public_key,
+                                         curve_secret_key)
         self._streams: dict[str, _Stream] = {}
         self._refusals: deque[P.Error] = deque()
         self._status: deque[P.StatusReply] = deque()

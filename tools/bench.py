@@ -476,12 +476,10 @@ def compare(settings: CompareSettings, command: str = PROG) -> tuple[dict, dict[
 
 
 def _private_mib(proc) -> float:
-    """Resident private anonymous memory of ``proc`` (``RssAnon``), MiB: RSS without files and shared rings."""
-    with open(f"/proc/{proc.pid}/status") as status:
-        for line in status:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    """Resident private anonymous memory of ``proc``, MiB (see :func:`tools.bench_serving.private_rss_bytes`)."""
+    from tools.bench_serving import private_rss_bytes
+
+    return private_rss_bytes(proc.pid) / 2**20
 
 
 def _rss(report: dict) -> str:

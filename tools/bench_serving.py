@@ -155,7 +155,7 @@ def running_daemon(args: list[str], ready_timeout_s: float = READY_TIMEOUT_S):
             yield daemon
         finally:
             children = children or daemon.processes()[1:]
-            _stop(proc)
+            stop_daemon(proc)
             _, alive = psutil.wait_procs(children, timeout=CHILD_EXIT_S)
             for child in alive:
                 with contextlib.suppress(psutil.NoSuchProcess):
@@ -165,12 +165,22 @@ def running_daemon(args: list[str], ready_timeout_s: float = READY_TIMEOUT_S):
                     os.unlink(path)
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the daemon and wait; SIGKILL it past :data:`STOP_TIMEOUT_S`."""
+def private_rss_bytes(pid: int) -> int:
+    """Resident private anonymous memory of process ``pid`` (``RssAnon``), bytes: RSS without files and shared
+    memory such as the rings. Raises OSError if the process is gone, RuntimeError if the kernel reports no RssAnon."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no RssAnon in /proc/{pid}/status")
+
+
+def stop_daemon(proc: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM the daemon and wait; SIGKILL it past ``timeout_s`` seconds."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(STOP_TIMEOUT_S)
+        proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()

@@ -57,6 +57,7 @@ import zmq
 
 from ipc import protocol as P
 from ipc.client import AsyncClient, Client, ServerError
+from tools.bench_serving import private_rss_bytes, stop_daemon
 
 SEGMENT_GLOB = "/dev/shm/ringstream-{instance}-*"
 READY_TIMEOUT_S = 120.0
@@ -117,11 +118,7 @@ class SoakDaemon:
 
     def private_rss(self) -> int:
         """Resident private (anonymous) memory of the front process, bytes: RSS without files and shared memory."""
-        with open(f"/proc/{self.proc.pid}/status") as status:
-            for line in status:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-        raise RuntimeError("no RssAnon in /proc/<pid>/status")
+        return private_rss_bytes(self.proc.pid)
 
 
 def _children(pid: int) -> list[psutil.Process]:
@@ -159,13 +156,7 @@ def soak_daemon(workdir: Path, *args: str, config: str = "", env: dict | None = 
         yield daemon
     finally:
         children = children or _children(proc.pid)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_daemon(proc, STOP_TIMEOUT_S)
         _, alive = psutil.wait_procs(children, timeout=CHILD_EXIT_S)
         segments = daemon.segments()
         for path in segments:

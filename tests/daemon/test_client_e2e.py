@@ -19,6 +19,15 @@ from ipc.client import AsyncClient, Client, DaemonUnavailable, InvalidRequest, R
 from tests.daemon_helpers import running_daemon, wait_exit
 
 
+def _assert_nothing_left_running(address: str, why: str, timeout_s: float = 10.0) -> None:
+    """Wait until the daemon at ``address`` runs no request; fail with ``why`` after ``timeout_s``."""
+    with Client(address) as client:
+        deadline = time.monotonic() + timeout_s
+        while client.status().running:
+            assert time.monotonic() < deadline, why
+            time.sleep(0.05)
+
+
 def test_streams_of_a_crashed_daemon_end_after_its_restart(tmp_path):
     with running_daemon(tmp_path) as first:
         client = Client(first.address, heartbeat_s=0.3, timeout_s=60)
@@ -65,11 +74,7 @@ def test_cancelled_async_requests_leave_no_pending_tasks(tmp_path):
             return status
 
         asyncio.run(main())
-        with Client(d.address) as client:
-            deadline = time.monotonic() + 10
-            while client.status().running:
-                assert time.monotonic() < deadline, "cancelled requests kept running"
-                time.sleep(0.05)
+        _assert_nothing_left_running(d.address, "cancelled requests kept running")
 
 
 def test_deeply_nested_frame_gets_an_error_and_the_daemon_keeps_answering(tmp_path):
@@ -115,11 +120,7 @@ def test_one_failed_request_of_a_gather_ends_the_others_quietly(tmp_path):
 
         asyncio.run(main())
         assert problems == []
-        with Client(d.address) as client:
-            deadline = time.monotonic() + 10
-            while client.status().running:
-                assert time.monotonic() < deadline, "the closed client's requests kept running"
-                time.sleep(0.05)
+        _assert_nothing_left_running(d.address, "the closed client's requests kept running")
 
 
 def test_what_cannot_be_sent_is_refused_by_the_client(tmp_path):

@@ -175,15 +175,20 @@ def curve_keys(tmp_path):
     return pairs, allowed
 
 
-def test_curve_on_loopback_admits_only_listed_clients(tmp_path, curve_keys, capsys):
-    pairs, allowed = curve_keys
-    server_public = pairs["server"][0]
+def _curve_daemon_settings(tmp_path, pairs, allowed) -> tuple[str, str]:
+    """A free loopback TCP address and a config file with the server's key and the allowed-clients directory."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    address = f"tcp://127.0.0.1:{port}"
     config = write_config(tmp_path, f'curve_secret_key_file = "{pairs["server"][2]}"\n'
                                     f'curve_allowed_clients_dir = "{allowed}"\n')
+    return f"tcp://127.0.0.1:{port}", config
+
+
+def test_curve_on_loopback_admits_only_listed_clients(tmp_path, curve_keys, capsys):
+    pairs, allowed = curve_keys
+    server_public = pairs["server"][0]
+    address, config = _curve_daemon_settings(tmp_path, pairs, allowed)
     with running_daemon(tmp_path, *SYNTHETIC, "--socket", address, "--config", config, ready=False) as d:
         def client(name: str | None, **kwargs) -> Client:
             keys = {} if name is None else dict(curve_server_key=server_public, curve_public_key=pairs[name][0],
@@ -218,12 +223,7 @@ def test_curve_on_loopback_admits_only_listed_clients(tmp_path, curve_keys, caps
 def test_a_curve_daemon_reloads_its_allow_list_on_sighup(tmp_path, curve_keys):
     pairs, allowed = curve_keys
     server_public = pairs["server"][0]
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    address = f"tcp://127.0.0.1:{port}"
-    config = write_config(tmp_path, f'curve_secret_key_file = "{pairs["server"][2]}"\n'
-                                    f'curve_allowed_clients_dir = "{allowed}"\n')
+    address, config = _curve_daemon_settings(tmp_path, pairs, allowed)
     stranger = dict(curve_server_key=server_public, curve_public_key=pairs["stranger"][0],
                     curve_secret_key=pairs["stranger"][1])
     with running_daemon(tmp_path, *SYNTHETIC, "--socket", address, "--config", config, ready=False) as d:
