@@ -1,75 +1,151 @@
-"""The engine's decode attention: one query token per row, as two batched matmuls.
+"""The engine's attention: packed rows over the paged KV pool (see :mod:`daemon.kv_cache`).
 
-PyTorch's CPU ``scaled_dot_product_attention`` runs a flash-attention kernel
-built for long queries; with one query token per row (decode) and bfloat16 it
-spends most of its time on per-block set-up and conversions. Measured on a
-2-core AMD EPYC (torch 2.13, built-in model, 64 rows, 65 keys, 4 layers, one
-thread): a whole bfloat16 decode step takes 12.1 ms with SDPA and 8.4 ms with
-this function (``python -m tools.bench_engine --dtype bfloat16`` shows the
-effect on the engine). In float32 both take the same time, so float32 models
-keep SDPA, whose output ``generate()`` reproduces token for token.
+Registered with transformers' ``AttentionInterface`` as :data:`PAGED_ATTENTION`;
+the engine switches its model to it. Each layer's call reads the step's
+:class:`daemon.kv_cache.AttentionMetadata` (keyword ``paged``):
 
-Prefill (more than one query token) always goes to SDPA.
+* decode groups: the rows' contexts are gathered from the pool into
+  ``[g, kv_heads, T, head_dim]`` (``T`` = the group's longest context) and
+  attended in one batched call with a validity mask. In float32 that call is
+  PyTorch's ``scaled_dot_product_attention``, whose output ``generate()``
+  reproduces token for token; in bfloat16 / float16 it is two matmuls with
+  float32 scores and softmax, as transformers' eager attention computes them:
+  PyTorch's CPU SDPA runs a flash kernel built for long queries and spends a
+  one-token query's time on per-block set-up (measured on a 2-core AMD EPYC,
+  torch 2.13, built-in model at batch 64: a bfloat16 decode step took 12.1 ms
+  with SDPA and 8.4 ms with the matmuls).
+* prefill chunks: one SDPA call per chunk (split when the mask would exceed
+  :data:`daemon.kv_cache.MAX_MASK_ELEMENTS`), causal over the chunk and full
+  over the context before it. A chunk that starts its sequence uses
+  ``is_causal`` and builds no mask at all.
+
+CPU has no paged kernel in PyTorch; the gather copies each row's context once
+per layer, which costs about what the attention reads. On CUDA the same
+metadata serves torch's varlen FlashAttention with a block table.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-DECODE_ATTENTION = "ringstream_decode"
-"""Name under which :func:`decode_attention` is registered with transformers' ``AttentionInterface``."""
+from daemon.kv_cache import AttentionMetadata
+
+__all__ = ["PAGED_ATTENTION", "dense_attention", "paged_attention", "use_paged_attention"]
+
+PAGED_ATTENTION = "ringstream_paged"
+"""Name under which :func:`paged_attention` is registered with transformers' ``AttentionInterface``."""
 
 
-def decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                     **kwargs) -> tuple[torch.Tensor, None]:
+def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                    *, paged: AttentionMetadata | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """Attention in transformers' attention-function protocol (``ALL_ATTENTION_FUNCTIONS``).
 
     Args:
-        query: ``[b, heads, q, head_dim]``.
-        key, value: ``[b, kv_heads, T, head_dim]`` (grouped-query attention when
-            ``kv_heads < heads``; query head ``i`` reads kv head ``i // (heads / kv_heads)``,
-            as ``repeat_kv`` does).
-        attention_mask: additive, broadcastable to ``[b, 1, q, T]``, or None.
+        query: ``[1, heads, N, head_dim]``, the packed rows of the step.
+        key, value: the layer's pool buffers ``[kv_heads, slots, head_dim]``
+            (from :meth:`daemon.kv_cache.PagedKVCache.update`), the step's new
+            keys and values already stored.
+        attention_mask: ignored (the metadata holds the structure).
         scaling: score scale (default ``head_dim ** -0.5``).
+        paged: the step's metadata. Without it (a forward that is not an
+            engine step, e.g. a bare decode loop over a contiguous cache) this
+            is :func:`dense_attention`.
 
     Returns:
-        ``([b, q, heads, head_dim], None)``. Scores and softmax are computed in
-        float32, as transformers' eager attention does, whatever the input dtype.
+        ``([1, N, heads, head_dim], None)``.
     """
-    if query.shape[2] != 1:
+    if paged is None:
+        return dense_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    _, heads, num_tokens, head_dim = query.shape
+    kv_heads = key.shape[0]
+    if scaling is None:
+        scaling = head_dim ** -0.5
+    block_size = paged.block_size
+    key_blocks = key.view(kv_heads, -1, block_size * head_dim)
+    value_blocks = value.view(kv_heads, -1, block_size * head_dim)
+    q = query[0].transpose(0, 1)  # [N, heads, head_dim]
+    out = torch.empty_like(q)
+    gqa = heads != kv_heads
+    reduced = query.dtype != torch.float32
+    for group in paged.decode_groups:
+        rows = group.rows
+        g = rows.shape[0]
+        length = group.kv_valid.shape[-1]
+        # [kv_heads, g * nb, bs * D] -> [g, kv_heads, T, D] with contiguous [T, D] matrices
+        k = key_blocks.index_select(1, group.block_index).view(kv_heads, g, length, head_dim).transpose(0, 1)
+        v = value_blocks.index_select(1, group.block_index).view(kv_heads, g, length, head_dim).transpose(0, 1)
+        qg = q.index_select(0, rows)  # [g, heads, head_dim]
+        if reduced:
+            out[rows] = _decode_matmul(qg, k, v, group.kv_valid, scaling)
+        else:
+            o = F.scaled_dot_product_attention(qg.unsqueeze(2), k, v, attn_mask=group.kv_valid, scale=scaling,
+                                               enable_gqa=gqa)
+            out[rows] = o.squeeze(2)
+    for chunk in paged.prefill_chunks:
+        k_all = key_blocks.index_select(1, chunk.block_index).view(1, kv_heads, -1, head_dim)
+        v_all = value_blocks.index_select(1, chunk.block_index).view(1, kv_heads, -1, head_dim)
+        for q_begin, q_end, kv_end, mask in chunk.splits:
+            rows = slice(chunk.start + q_begin, chunk.start + q_end)
+            o = F.scaled_dot_product_attention(
+                query[:, :, rows], k_all[:, :, :kv_end], v_all[:, :, :kv_end], attn_mask=mask,
+                is_causal=mask is None, scale=scaling, enable_gqa=gqa,
+            )
+            out[rows] = o[0].transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+def dense_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                    **kwargs) -> tuple[torch.Tensor, None]:
+    """The same kernels over contiguous ``key, value [b, kv_heads, T, head_dim]`` and ``query [b, heads, q, head_dim]``.
+
+    One-token queries in reduced precision take the two matmuls (``attention_mask``
+    additive, broadcastable to ``[b, 1, 1, T]``); everything else takes
+    transformers' SDPA path. Returns ``([b, q, heads, head_dim], None)``.
+    """
+    if query.shape[2] != 1 or query.dtype == torch.float32:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     batch, heads, _, head_dim = query.shape
-    kv_heads = key.shape[1]
-    if scaling is None:
-        scaling = head_dim ** -0.5
-    q = query.reshape(batch, kv_heads, heads // kv_heads, head_dim)
-    scores = torch.matmul(q, key.transpose(-1, -2)).float()  # [b, kv_heads, group, T]
-    scores.mul_(scaling)
+    valid = torch.ones((1, 1, 1, key.shape[2]), dtype=torch.bool, device=query.device)
     if attention_mask is not None:
-        scores.add_(attention_mask[..., -1:, :])  # [b|1, 1, 1, T]: the mask row of the one query
-    probs = scores.softmax(dim=-1).to(value.dtype)
-    out = torch.matmul(probs, value)  # [b, kv_heads, group, head_dim]
-    return out.reshape(batch, 1, heads, head_dim), None
+        valid = attention_mask[..., -1:, :] == 0
+    out = _decode_matmul(query.view(batch, heads, head_dim), key, value, valid, scaling or head_dim ** -0.5)
+    return out.view(batch, 1, heads, head_dim), None
 
 
-AttentionInterface.register(DECODE_ATTENTION, decode_attention)
+def _decode_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                   scaling: float) -> torch.Tensor:
+    """One-token attention as two matmuls: ``q [g, heads, D]``, ``k, v [g, kv_heads, T, D]`` -> ``[g, heads, D]``.
 
-
-def use_decode_attention(model) -> bool:
-    """Switch ``model`` to :func:`decode_attention` unless it runs in float32; True if switched.
-
-    Only models whose attention layers look up ``config._attn_implementation``
-    at each call (transformers' own architectures) are switched; a model
-    that does not support switching keeps its attention.
+    Query head ``i`` reads kv head ``i // (heads / kv_heads)``, as ``repeat_kv`` does.
     """
-    if next(model.parameters()).dtype == torch.float32:
-        return False
+    g, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    qh = q.view(g, kv_heads, heads // kv_heads, head_dim)
+    scores = torch.matmul(qh, k.transpose(-1, -2)).float()  # [g, kv_heads, group, T]
+    scores.mul_(scaling)
+    scores.masked_fill_(~valid, float("-inf"))
+    probs = scores.softmax(dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).view(g, heads, head_dim)
+
+
+AttentionInterface.register(PAGED_ATTENTION, paged_attention)
+
+
+def use_paged_attention(model) -> None:
+    """Switch ``model`` to :func:`paged_attention`.
+
+    Raises:
+        ValueError: the model's attention layers cannot switch implementation
+            (not a transformers architecture that looks up
+            ``config._attn_implementation`` at each call).
+    """
     try:
-        model.set_attn_implementation(DECODE_ATTENTION)
-    except (ValueError, AttributeError, NotImplementedError):
-        return False
-    return True
+        model.set_attn_implementation(PAGED_ATTENTION)
+    except (ValueError, AttributeError, NotImplementedError) as exc:
+        raise ValueError(f"{type(model).__name__} cannot use the paged attention: {exc}") from exc

@@ -47,6 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--synthetic-step-ms", type=float, help="step time of the synthetic engine (default 1 ms)")
     serve.add_argument("--metrics-port", type=int, help="Prometheus exporter port on 127.0.0.1 (default: off)")
     serve.add_argument("--max-concurrency", type=int, help="running requests per worker")
+    serve.add_argument("--max-model-len", type=int, help="most prompt + output tokens per request "
+                       "(default: the model's context)")
+    serve.add_argument("--block-size", type=int, help="token positions per KV-cache block (default 16)")
+    serve.add_argument("--kv-cache-bytes", type=int, help="KV pool size per worker, bytes "
+                       "(default: from memory_utilization)")
+    serve.add_argument("--max-num-batched-tokens", type=int, help="new tokens per engine step (default 2048)")
+    serve.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
+                       help="do not reuse the KV blocks of common prompt prefixes")
     serve.add_argument("--queue-size", type=int, help="waiting requests at most")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
@@ -166,6 +174,8 @@ def _serve(args: argparse.Namespace) -> int:
         socket=args.socket, instance=args.instance, model=args.model, devices=args.devices, engine=args.engine,
         synthetic_step_ms=args.synthetic_step_ms, metrics_port=args.metrics_port,
         max_concurrency=args.max_concurrency, queue_size=args.queue_size, log_level=args.log_level,
+        max_model_len=args.max_model_len, block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
+        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
     )
     overrides = {k: v for k, v in overrides.items() if v is not None}
     try:
@@ -243,8 +253,10 @@ def _status(args: argparse.Namespace) -> int:
           f"{reply.requests_total} requests, {reply.tokens_generated_total} tokens")
     for w in reply.workers:
         print(f"  worker {w.index} {w.device} pid {w.pid} {'alive' if w.alive else 'DEAD'}: "
-              f"{w.running}/{min(w.max_num_seqs, reply.max_concurrency)} running, KV {w.kv_cache_tokens_used}/{w.kv_cache_tokens} tokens, "
-              f"ring {w.ring_fill:.0%}, served {w.requests_served}")
+              f"{w.running}/{min(w.max_num_seqs, reply.max_concurrency)} running, KV cache {w.kv_cache_usage:.0%} "
+              f"({w.kv_blocks_total - w.kv_blocks_free}/{w.kv_blocks_total} blocks of {w.block_size}), "
+              f"prefix hits {w.prefix_cache_hits}/{w.prefix_cache_queries} tokens, "
+              f"{w.preemptions_kv_cache} KV preemptions, ring {w.ring_fill:.0%}, served {w.requests_served}")
     return 0
 
 

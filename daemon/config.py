@@ -45,7 +45,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     devices: str = "auto"
     """``auto`` (every visible CUDA GPU, else one CPU worker), ``cpu``, ``cpu,cpu``, ``cuda:0,cuda:1``."""
     engine: Literal["hf", "synthetic"] = "hf"
-    """Engine backend: ``hf`` = slot-based continuous batching over a Hugging Face model;
+    """Engine backend: ``hf`` = paged continuous batching over a Hugging Face model;
     ``synthetic`` = deterministic tokens at a fixed step time, no model compute (to measure
     and capacity-plan the serving layer alone)."""
     synthetic_step_ms: float = 1.0
@@ -53,11 +53,23 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     """Weights/activations dtype; ``auto`` = float32 on CPU, bfloat16 on CUDA."""
     max_num_seqs: int = 64
-    """KV-cache slots each worker allocates at start (capped by memory, see ``memory_utilization``)."""
+    """Most requests a worker runs at once (its batch rows); the KV pool need not hold them all at
+    full length: blocks are taken as sequences grow."""
     max_concurrency: int = 64
     """Requests running at once per worker (live; at most the worker's slots)."""
     memory_utilization: float = 0.85
-    """Fraction of the memory available at start (RAM on CPU, GPU memory on CUDA) a worker's KV cache may take."""
+    """Fraction of the memory available after the weights and a profiling forward (RAM on CPU, GPU memory
+    on CUDA) that a worker's KV pool may take, when ``kv_cache_bytes`` is not set. The pool never grows past
+    ``max_num_seqs`` sequences of ``max_model_len`` tokens."""
+    kv_cache_bytes: int | None = None
+    """Size of each worker's KV pool in bytes (all layers, keys and values); None = from ``memory_utilization``."""
+    max_model_len: int | None = None
+    """Most tokens (prompt + output) per request; None = the model's context (``max_position_embeddings``).
+    A worker whose KV pool cannot hold one sequence this long refuses to start, naming the largest that fits."""
+    block_size: int = 16
+    """Token positions per KV-cache block."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of prompt prefixes already computed (chained block hashes, LRU eviction)."""
     priority_queue_limits: dict[str, int] = {}
     """Most requests waiting per priority, e.g. ``{"10" = 100}``; others are bounded by ``queue_size`` only."""
     queue_full_policy: Literal["reject", "evict"] = "reject"
@@ -67,7 +79,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     preemption: bool = True
     """Preempt the least urgent running request when a strictly more urgent one waits and nothing is free."""
     max_num_batched_tokens: int = 2048
-    """Prompt tokens one engine step may prefill."""
+    """New tokens one engine step computes: running decodes first (one each), then prompt chunks in what is
+    left (chunked prefill). Smaller bounds the inter-token stall a long prompt causes; larger prefills faster."""
     queue_size: int = 10_000
     """Requests waiting at most (all workers); a request beyond it gets ``QUEUE_FULL`` at once."""
     client_timeout_s: float = 10.0
@@ -114,6 +127,12 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if not self.aging_rate >= 0:
             raise ValueError(f"aging_rate = {self.aging_rate}: must be >= 0 levels per second")
         self.priority_limits()
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes = {self.kv_cache_bytes}: must be >= 1 byte (or unset)")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len = {self.max_model_len}: must be >= 2 tokens (or unset)")
+        if not 1 <= self.block_size <= 1024:
+            raise ValueError(f"block_size = {self.block_size}: must be in [1, 1024] tokens")
         for name in ("max_num_seqs", "max_concurrency", "max_num_batched_tokens", "queue_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} = {getattr(self, name)}: must be >= 1")

@@ -1,63 +1,77 @@
-"""Slot-based continuous-batching generation engine over a static KV cache.
+"""Paged continuous-batching engine over a Hugging Face causal LM.
 
-The engine owns one Hugging Face causal LM and a preallocated KV cache with
-``max_num_seqs`` rows ("slots"). A request is admitted into a free slot, its
-prompt is prefilled, and from then on it decodes one token per engine step in a
-batch with every other running request. It leaves the batch the step it
-finishes and its slot is free for the next waiting request at once, so the
-batch composition changes every step (continuous batching, as in Orca, Yu et
-al., OSDI 2022, and vLLM) instead of waiting for a whole batch to end, which
-is what ``model.generate`` on a padded batch does.
+Requests join the running batch at the next step and leave the moment they
+finish (continuous batching: Orca, Yu et al., OSDI 2022; vLLM). Their keys and
+values live in a paged pool (:mod:`daemon.kv_cache`) of fixed-size blocks that
+:class:`daemon.block_manager.BlockManager` hands out as sequences grow, shares
+between sequences with a common prefix, and keeps cached after they end.
 
-One ``step()``:
+One ``step()`` (vLLM v1's scheduler, ``vllm/v1/core/sched/scheduler.py``):
 
-1. Decode: one forward of ``input_ids [m, 1]`` over the slot rows
-   ``[lo, hi)`` between the lowest and the highest occupied slot, for every
-   running request (each has one sampled token whose KV is not yet cached: the
-   "pending" token). Row ``r`` writes its key/value at cache column
-   ``length[r]`` and attends columns ``[0, length[r]]``. Free rows inside the
-   range are computed too (cheaper than gathering the batch, and the cache
-   views stay copy-free): they write to a trash column and attend column 0
-   only. Slots are always taken lowest-first, so the range stays compact.
-2. Admit + prefill: waiting requests (FIFO) take free slots, including the
-   slots that requests finishing in step 1 just released, and are prefilled
-   in one left-padded batch, bounded by ``max_num_batched_tokens`` padded
-   tokens. Their first token is sampled in this step; they join the decode
-   batch at the next step.
+1. **Budget.** At most ``max_num_batched_tokens`` new tokens. Running decodes
+   come first (one token each), then prompt chunks of running sequences still
+   in prefill, then waiting requests, FIFO, each taking what is left of the
+   budget (chunked prefill): a long prompt is prefilled over several steps
+   while every other stream keeps getting one token per step.
+2. **Blocks.** A waiting request is admitted when the blocks for the part of
+   its tokens not in the prefix cache are free (minus a small watermark); its
+   cached prefix is shared, not recomputed. A decode that needs a new block
+   and finds none preempts the least urgent, most recently started running
+   request (recompute preemption: its blocks are freed and it goes back to the
+   head of the waiting queue with its prompt and tokens so far, to resume
+   where it stopped; its stream is unbroken).
+3. **Forward.** One forward over the packed new tokens of every scheduled
+   sequence, each at its own positions; attention reads each sequence's own
+   context through its block table (:mod:`daemon.attention`), so no row pays
+   for the longest row and no step builds an ``L x L`` mask.
+4. **Sample** the next token of every sequence whose known tokens are now all
+   computed; detokenise, check stop conditions, free finished sequences.
 
-Decode runs before admission (rather than after) so that a slot freed by a
-request finishing this step is reused in the same step, and so that each
-request gets exactly one token per step.
+If a step's forward or sampling raises, each of its sequences is run again
+alone; those that fail alone end with a :class:`RequestError`, the others go
+on (one bad request never fails its companions).
 
-Every request therefore yields exactly one ``TokenOutput`` per step while it
-runs; the output with a non-None ``finish_reason`` is its last.
+Numerics: each sequence attends exactly its own keys, at its own positions, so
+its logits depend on its companions only through float rounding of batched
+kernels. In float32, greedy outputs equal ``model.generate`` on the prompt
+alone token for token (tested, with and without prefix-cache hits and chunked
+prefill). In bfloat16 / float16 rounding can flip near-tied tokens, as with any
+batched inference.
 
-Numerics: each row of a batch sees exactly its own keys (other rows and padding
-are masked with ``-inf`` and contribute exact zeros) and positions are per
-row, so a row's logits depend on its batch companions only through float
-rounding of the batched kernels (measured: at most 4e-6 on float32 logits,
-against top-1/top-2 gaps above 1e-4). In float32, greedy outputs equal
-``model.generate`` on the prompt alone token for token. In bfloat16 / float16
-that rounding is large enough to flip near-tied tokens, as with any batched
-inference.
-
-The model must call ``cache.update(key_states, value_states, layer_idx, ...)``
-from its attention layers and accept a 4-D additive ``attention_mask`` as-is
-(Llama-family models in transformers 5.x do). The engine is not thread-safe:
-call all methods from one thread.
+The model must be a transformers architecture that calls
+``cache.update(key_states, value_states, layer_idx, ...)`` from its attention
+layers and looks its attention function up by ``config._attn_implementation``
+(Llama-family models in transformers 5.x do). Not thread-safe.
 """
 
 from __future__ import annotations
 
-import abc
-import heapq
+import inspect
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
-from daemon.attention import use_decode_attention
+from daemon.attention import use_paged_attention
+from daemon.block_manager import DEFAULT_BLOCK_SIZE, BlockManager, block_hashes
 from daemon.detokenizer import IncrementalDetokenizer
+from daemon.engine_api import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GREEDY_TEMPERATURE_EPS,
+    BaseEngine,
+    CapacityError,
+    EngineError,
+    EngineRequest,
+    PromptTooLong,
+    RequestError,
+    SamplingParams,
+    TokenOutput,
+    check_request,
+)
+from daemon.kv_cache import PagedKVCache, build_metadata
+from daemon.memory import kv_cache_budget
 from daemon.sampler import SamplingTensors, sample, token_seed
 
 __all__ = [
@@ -66,358 +80,82 @@ __all__ = [
     "Engine",
     "EngineError",
     "EngineRequest",
+    "PromptTooLong",
+    "RequestError",
     "SamplingParams",
-    "SlotKVCache",
     "TokenOutput",
 ]
 
-FINISH_STOP = "stop"
-FINISH_LENGTH = "length"
+log = logging.getLogger("ringstream.engine")
 
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-# Temperatures at or below this are treated as greedy (vLLM's _SAMPLING_EPS).
-GREEDY_TEMPERATURE_EPS = 1e-5
-# Token id fed at padding positions and in free decode rows. Any in-vocabulary
-# id works: those positions are masked out and their KV goes to the trash column.
-_FILLER_TOKEN_ID = 0
+WATERMARK_FRACTION = 0.01
+"""Admission leaves this fraction of the blocks free for running decodes (vLLM v0's watermark)."""
 _WARMUP_PROMPT_LEN = 4
 _WARMUP_MAX_TOKENS = 2
-
-
-@dataclass(slots=True)
-class SamplingParams:
-    """How to pick and when to stop generating tokens for one request.
-
-    Attributes:
-        max_tokens: maximum number of output tokens (>= 1), counting tokens of
-            a resumed request generated before the resume.
-        temperature: logit divisor; 0 means greedy (argmax).
-        top_p: nucleus mass kept, in (0, 1]; 1.0 disables it.
-        top_k: number of most likely tokens kept; 0 disables it.
-        seed: per-request seed; the same seed and prompt give the same tokens
-            whatever else is batched with the request, and a resumed request
-            continues the same tokens (the generator is reseeded per output
-            token from ``(seed, seq)``). None uses the engine's generator.
-        stop: stop strings; the output text ends right before the first one to
-            appear, which is not included.
-        stop_token_ids: token ids that end the request (included in the output
-            token ids, contributing no text).
-        ignore_eos: keep generating past the model's EOS token(s).
-    """
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-
-@dataclass(slots=True)
-class EngineRequest:
-    """One generation request.
-
-    Attributes:
-        handle: caller-chosen id, unique among the engine's unfinished requests.
-        prompt_token_ids: the prompt, already tokenized (BOS included if the
-            model expects one).
-        params: sampling and stop parameters.
-        output_token_ids: tokens already generated. On ``add`` they are
-            prefilled together with the prompt and generation continues with
-            ``seq = len(output_token_ids)``; the detokenizer state is rebuilt so
-            no text is repeated. The engine appends each new token to this list.
-    """
-
-    handle: int
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    output_token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class TokenOutput:
-    """One generated token of one request (one per running request per step).
-
-    Attributes:
-        handle: the request's handle.
-        seq: 0-based index of this token in the request's output.
-        token_id: the token.
-        text: text delta, whole UTF-8 characters only (may be "").
-        finish_reason: "stop" or "length" on the request's last token, else None.
-        stop_reason: the stop string or ``stop_token_ids`` entry that ended the
-            request; None for EOS and for "length" (vLLM's convention).
-        num_prompt_tokens: prompt length, on the last output only.
-        num_output_tokens: output length, on the last output only.
-    """
-
-    handle: int
-    seq: int
-    token_id: int
-    text: str
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-
-
-class EngineError(Exception):
-    """Base class of engine errors."""
-
-
-class CapacityError(EngineError):
-    """The engine already holds ``max_num_seqs`` unfinished requests."""
-
-
-def check_request(req: EngineRequest, max_model_len: int, vocab_size: int,
-                  eos_token_ids: tuple[int, ...]) -> tuple[frozenset[int], frozenset[int]]:
-    """Check what every engine requires of a request; return ``(stop_token_ids, user_stop_token_ids)``.
-
-    ``stop_token_ids`` adds ``eos_token_ids`` to the request's own unless it
-    ignores EOS. Raises ValueError for an empty prompt, a token id outside
-    ``[0, vocab_size)``, ``len(prompt) + len(output) >= max_model_len``,
-    ``max_tokens < 1``, a temperature below 0 (or NaN), ``top_p`` outside
-    ``(0, 1]``, ``top_k < 0``, or ``output_token_ids`` (a resumed request)
-    that already hold ``max_tokens`` tokens or end with a stop token.
-    """
-    params = req.params
-    prompt = req.prompt_token_ids
-    output = req.output_token_ids
-    if not prompt:
-        raise ValueError("prompt_token_ids is empty")
-    if len(prompt) + len(output) >= max_model_len:
-        raise ValueError(
-            f"prompt ({len(prompt)}) + output ({len(output)}) tokens leave no room within max_model_len={max_model_len}"
-        )
-    if min(min(prompt), min(output, default=0)) < 0 or max(max(prompt), max(output, default=0)) >= vocab_size:
-        raise ValueError(f"token ids must be in [0, {vocab_size})")
-    if params.max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
-    if len(output) >= params.max_tokens:
-        raise ValueError(f"output_token_ids already hold max_tokens={params.max_tokens} tokens")
-    if not params.temperature >= 0:
-        raise ValueError(f"temperature must be >= 0, got {params.temperature}")
-    if not 0.0 < params.top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
-    if params.top_k < 0:
-        raise ValueError(f"top_k must be >= 0, got {params.top_k}")
-    user_stop_ids = frozenset(params.stop_token_ids)
-    stop_ids = user_stop_ids if params.ignore_eos else user_stop_ids | frozenset(eos_token_ids)
-    if output and output[-1] in stop_ids:
-        raise ValueError("output_token_ids already end with a stop token")
-    return stop_ids, user_stop_ids
-
-
-class BaseEngine(abc.ABC):
-    """Interface of a generation backend driven by the worker loop.
-
-    The worker calls ``add`` / ``abort`` between steps and ``step`` in a loop
-    while ``has_unfinished()``; each ``step`` returns at most one
-    ``TokenOutput`` per running request.
-    """
-
-    max_num_seqs: int
-    max_model_len: int
-
-    @abc.abstractmethod
-    def add(self, req: EngineRequest) -> None:
-        """Queue ``req``; it is admitted at a following ``step``."""
-
-    @abc.abstractmethod
-    def abort(self, handle: int) -> bool:
-        """Drop the request ``handle``; return True if it was unfinished."""
-
-    @abc.abstractmethod
-    def step(self) -> list[TokenOutput]:
-        """Run one engine step; return its outputs ([] when idle)."""
-
-    @abc.abstractmethod
-    def has_unfinished(self) -> bool:
-        """Whether any request is waiting or running."""
-
-    @property
-    @abc.abstractmethod
-    def num_running(self) -> int:
-        """Requests holding a slot."""
-
-    @property
-    @abc.abstractmethod
-    def num_waiting(self) -> int:
-        """Requests queued for admission."""
-
-    @abc.abstractmethod
-    def warmup(self) -> None:
-        """Run a tiny request through every code path so the first real one is not slow."""
-
-
-class SlotKVCache:
-    """Static per-slot KV cache, passed to the model as ``cache=``.
-
-    Per layer, key and value buffers of shape
-    ``[max_num_seqs, num_kv_heads, max_model_len + 1, head_dim]``; row = slot,
-    column = token position. Column ``max_model_len`` is the trash column:
-    writes that belong to no sequence (padding, free decode rows) go there and
-    no mask ever lets a query read it.
-
-    Before each forward the engine calls ``set_prefill`` or ``set_decode``,
-    which turn the (slot, column) destinations into one flat index over
-    ``head_dim``-sized vectors, shared by all layers. The model's attention
-    layers then call ``update`` once per layer, which stores with one
-    ``index_copy_`` per buffer (measured on CPU: about half the cost of the
-    equivalent advanced-indexing assignment). Only ``update`` is part of the
-    protocol the model uses (duck typing; this is not a ``transformers.Cache``
-    subclass, so no cache-driven mask is built and the engine's explicit 4-D
-    mask is used as-is).
-    """
-
-    def __init__(
-        self,
-        num_layers: int,
-        max_num_seqs: int,
-        num_kv_heads: int,
-        max_model_len: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        shape = (max_num_seqs, num_kv_heads, max_model_len + 1, head_dim)
-        # Zero-filled, so that a free decode row reading column 0 sees finite values.
-        self.key_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.value_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self._key_vectors = [buf.view(-1, head_dim) for buf in self.key_cache]
-        self._value_vectors = [buf.view(-1, head_dim) for buf in self.value_cache]
-        self.trash_column = max_model_len
-        self._head_dim = head_dim
-        # Flat vector index of (slot, head, column 0): [max_num_seqs, num_kv_heads].
-        slots = torch.arange(max_num_seqs, device=device).unsqueeze(1)
-        heads = torch.arange(num_kv_heads, device=device).unsqueeze(0)
-        self._base_index = (slots * num_kv_heads + heads) * (max_model_len + 1)
-        self._prefill = False
-        self._index = self._base_index.new_empty(0)
-        self._start = 0
-        self._stop = 0
-        self._kv_len = 0
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by all key and value buffers."""
-        return sum(t.numel() * t.element_size() for t in self.key_cache + self.value_cache)
-
-    def set_prefill(self, slots: torch.Tensor, columns: torch.Tensor) -> None:
-        """Route the next (prefill) forward: token ``j`` of row ``i`` goes to (``slots[i]``, ``columns[i, j]``).
-
-        Args:
-            slots: ``[n]`` int64 slot of each batch row.
-            columns: ``[n, q]`` int64 cache column of each token (the trash
-                column for padding).
-
-        During prefill the attention sees only the batch's own new keys and
-        values: a prefill always starts a sequence from an empty slot.
-        """
-        self._prefill = True
-        # [n, q, heads], the order of key_states.transpose(1, 2).
-        self._index = (self._base_index[slots].unsqueeze(1) + columns.unsqueeze(2)).reshape(-1)
-
-    def set_decode(self, start: int, stop: int, columns: torch.Tensor, kv_len: int) -> None:
-        """Route the next (decode) forward: the token of row ``r`` goes to (``start + r``, ``columns[r]``).
-
-        Args:
-            start, stop: the batch is slots ``[start, stop)``.
-            columns: ``[stop - start]`` int64 write column per row.
-            kv_len: ``T``; attention sees cache columns ``[0, T)`` of each row.
-        """
-        self._prefill = False
-        self._start = start
-        self._stop = stop
-        self._kv_len = kv_len
-        # [m, heads], the order of key_states [m, heads, 1, head_dim].
-        self._index = (self._base_index[start:stop] + columns.unsqueeze(1)).reshape(-1)
-
-    def update(
-        self,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        layer_idx: int,
-        kwargs: dict | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store one layer's new keys/values and return what its attention reads.
-
-        Args:
-            key_states, value_states: ``[n, num_kv_heads, q, head_dim]`` (after RoPE).
-            layer_idx: decoder layer index.
-            kwargs: the layer's extra arguments (unused).
-
-        Returns:
-            ``(keys, values)``. Prefill: the inputs themselves,
-            ``[n, num_kv_heads, q, head_dim]``. Decode: views (no copy) of the
-            buffers, ``[m, num_kv_heads, T, head_dim]``.
-        """
-        head_dim = self._head_dim
-        if self._prefill:
-            self._key_vectors[layer_idx].index_copy_(
-                0, self._index, key_states.transpose(1, 2).reshape(-1, head_dim)
-            )
-            self._value_vectors[layer_idx].index_copy_(
-                0, self._index, value_states.transpose(1, 2).reshape(-1, head_dim)
-            )
-            return key_states, value_states
-        self._key_vectors[layer_idx].index_copy_(0, self._index, key_states.reshape(-1, head_dim))
-        self._value_vectors[layer_idx].index_copy_(0, self._index, value_states.reshape(-1, head_dim))
-        rows = slice(self._start, self._stop)
-        kv_len = self._kv_len
-        return self.key_cache[layer_idx][rows, :, :kv_len], self.value_cache[layer_idx][rows, :, :kv_len]
 
 
 @dataclass(slots=True, eq=False)
 class _Sequence:
     """Engine-side state of one unfinished request.
 
-    ``handle`` is None for the internal warmup request. ``slot`` is None while
-    the request waits. ``max_output_tokens`` folds ``max_tokens`` and the
-    context limit together; ``temperature`` is the logit divisor (1.0 when
-    greedy) and ``top_k`` is the vocabulary size when off.
+    ``token_ids`` are the prompt and the output so far; the first
+    ``num_computed`` of them have KV in the pool. A running sequence in decode
+    has ``num_computed == len(token_ids) - 1`` (its last sampled token is fed
+    at the next step). ``handle`` is None for the internal warmup request.
     """
 
+    seq_id: int
     handle: int | None
     request: EngineRequest
-    input_ids: list[int]
+    token_ids: list[int]
     num_prompt_tokens: int
     max_output_tokens: int
     stop_token_ids: frozenset[int]
     user_stop_token_ids: frozenset[int]
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
-    seed: int | None
     greedy: bool
     temperature: float
     top_k: int
     top_p: float
-    slot: int | None = None
+    priority: int
+    num_computed: int = 0
+    started: int = 0
+    running: bool = False
+    hashes: list[bytes] = field(default_factory=list)
 
 
 class Engine(BaseEngine):
-    """Continuous-batching engine for one Hugging Face causal LM (see module docstring).
+    """Paged continuous-batching engine for one Hugging Face causal LM (see module docstring).
 
     Args:
-        model: a ``transformers`` causal LM in eval mode, already on ``device``,
-            loaded with ``attn_implementation="sdpa"`` (or "eager").
+        model: a ``transformers`` causal LM in eval mode, already on ``device``.
+            It is switched to the engine's paged attention.
         tokenizer: the model's ``tokenizers.Tokenizer``.
-        max_num_seqs: KV cache slots = most requests running at once, and
-            the most requests waiting + running.
+        max_num_seqs: most requests running at once (batch rows), and the
+            most requests waiting + running.
         max_model_len: most tokens (prompt + output) per request; defaults to
             ``config.max_position_embeddings`` and may not exceed it.
-        max_num_batched_tokens: most padded tokens in one prefill forward
-            (``rows * longest input``). A single request longer than this is
-            still prefilled, alone.
-        eos_token_ids: EOS ids; default: the model's generation config, else
-            its config.
-        device: where the KV cache and index tensors live.
+        max_num_batched_tokens: most new tokens (decodes plus prompt chunks)
+            in one step's forward.
+        block_size: token positions per KV-cache block.
+        num_blocks: KV pool size in blocks, the null block included; default
+            from ``kv_cache_bytes``, else from memory (:func:`daemon.memory.kv_cache_budget`).
+        kv_cache_bytes: KV pool size in bytes (all layers, keys and values).
+        memory_utilization: fraction of the memory available after the
+            weights and a profiling forward that the pool may take, when
+            neither ``num_blocks`` nor ``kv_cache_bytes`` is given.
+        enable_prefix_caching: share and keep KV blocks by prefix.
+        eos_token_ids: EOS ids; default: the model's generation config, else its config.
+        device: where the pool and index tensors live.
         seed: seed of the generator used by requests without their own seed.
 
     Raises:
-        ValueError: a size argument out of range.
+        ValueError: a size out of range, a model that cannot use the paged
+            attention, or a pool that cannot hold one sequence of
+            ``max_model_len`` tokens (the message gives the largest that fits).
     """
 
     def __init__(
@@ -428,6 +166,11 @@ class Engine(BaseEngine):
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_model_len: int | None = None,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        num_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
+        memory_utilization: float = 0.85,
+        enable_prefix_caching: bool = True,
         eos_token_ids: tuple[int, ...] | list[int] = (),
         device: str | torch.device = "cpu",
         seed: int = 0,
@@ -440,149 +183,178 @@ class Engine(BaseEngine):
             max_model_len = max_positions
         if not 2 <= max_model_len <= max_positions:
             raise ValueError(f"max_model_len must be in [2, {max_positions}], got {max_model_len}")
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        if max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("block_size", block_size)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
 
         self._model = model
-        use_decode_attention(model)  # bfloat16/float16 decode: two matmuls beat CPU SDPA (daemon.attention)
         self._tokenizer = tokenizer
         self.device = torch.device(device)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.block_size = block_size
         self.vocab_size = config.vocab_size
         self.eos_token_ids = tuple(eos_token_ids) or _model_eos_token_ids(model, config)
+        self.dtype = next(model.parameters()).dtype
 
+        num_layers = config.num_hidden_layers
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.dtype = next(model.parameters()).dtype
-        with torch.inference_mode():
-            self._cache = SlotKVCache(
-                config.num_hidden_layers,
-                max_num_seqs,
-                num_kv_heads,
-                max_model_len,
-                head_dim,
-                self.dtype,
-                self.device,
+        block_bytes = PagedKVCache.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim,
+                                                   self.dtype.itemsize)
+        if num_blocks is None:
+            if kv_cache_bytes is None:
+                kv_cache_bytes = kv_cache_budget(model, self.device, max_num_batched_tokens, memory_utilization)
+                # More blocks than every running sequence at full length only feed the prefix cache.
+                most = -(-max_num_seqs * max_model_len // block_size) + 1
+                num_blocks = min(most, kv_cache_bytes // block_bytes)
+            else:
+                num_blocks = kv_cache_bytes // block_bytes
+        largest = (num_blocks - 1) * block_size
+        if largest < max_model_len:
+            raise ValueError(
+                f"the KV cache ({max(num_blocks, 0)} blocks of {block_size} tokens, {block_bytes} bytes each) "
+                f"cannot hold one sequence of max_model_len={max_model_len} tokens; the largest that fits is "
+                f"{max(largest, 0)} (lower max_model_len, or give the KV cache more memory)"
             )
-            index_kwargs = {"dtype": torch.long, "device": self.device}
-            self._arange = torch.arange(max_model_len + 1, **index_kwargs)
-            self._trash = torch.tensor(self._cache.trash_column, **index_kwargs)
-            # Per-slot state: tokens in the cache, pending input token, occupancy.
-            self._lens = torch.zeros(max_num_seqs, **index_kwargs)
-            self._pending = torch.full((max_num_seqs,), _FILLER_TOKEN_ID, **index_kwargs)
-            self._active = torch.zeros(max_num_seqs, dtype=torch.bool, device=self.device)
-            # Per-slot sampling parameters (see SamplingTensors).
-            self._temperature = torch.ones(max_num_seqs, dtype=torch.float32, device=self.device)
-            self._greedy = torch.ones(max_num_seqs, dtype=torch.bool, device=self.device)
-            self._top_k = torch.full((max_num_seqs,), self.vocab_size, **index_kwargs)
-            self._top_p = torch.ones(max_num_seqs, dtype=torch.float32, device=self.device)
+        use_paged_attention(model)
+        forward_params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
+
+        with torch.inference_mode():
+            self._cache = PagedKVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, self.dtype,
+                                       self.device)
+        self._blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.enable_prefix_caching = enable_prefix_caching
+        self._watermark = max(1, int(self._blocks.num_usable_blocks * WATERMARK_FRACTION))
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(seed)
 
-        self._lens_list = [0] * max_num_seqs
-        self._slots: list[_Sequence | None] = [None] * max_num_seqs
-        self._free_slots = list(range(max_num_seqs))
-        self._high = 0
         self._waiting: deque[_Sequence] = deque()
+        self._running: list[_Sequence] = []
         self._by_handle: dict[int, _Sequence] = {}
-        self._num_running = 0
+        self._next_seq_id = 0
+        self._next_start = 0
         self._num_random = 0
-        self._num_top_k = 0
-        self._num_top_p = 0
-        self._seeded: dict[int, _Sequence] = {}
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------ figures
 
     @property
     def kv_cache_tokens(self) -> int:
-        """Token capacity of the KV cache: ``max_num_seqs * max_model_len``."""
-        return self.max_num_seqs * self.max_model_len
+        """Token positions of the pool's usable blocks."""
+        return self._blocks.num_usable_blocks * self.block_size
 
     @property
     def kv_cache_bytes(self) -> int:
-        """Bytes allocated for the KV cache (all layers, keys and values, trash column included)."""
+        """Bytes allocated for the KV pool (all layers, keys and values, the null block included)."""
         return self._cache.nbytes
 
     @property
+    def num_blocks(self) -> int:
+        return self._blocks.num_usable_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._blocks.num_free_blocks
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of usable blocks held by requests, 0..1."""
+        return self._blocks.usage
+
+    @property
+    def prefix_queries(self) -> int:
+        return self._blocks.prefix_queries
+
+    @property
+    def prefix_hits(self) -> int:
+        return self._blocks.prefix_hits
+
+    @property
     def num_running(self) -> int:
-        return self._num_running
+        return len(self._running)
 
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
 
     def has_unfinished(self) -> bool:
-        return bool(self._num_running or self._waiting)
+        return bool(self._running or self._waiting)
+
+    # ------------------------------------------------------------ interface
 
     def add(self, req: EngineRequest) -> None:
-        """Queue ``req``; it is admitted at the next ``step`` with a free slot.
+        """Queue ``req``; it is admitted at a following ``step`` once its blocks are free.
 
         Raises:
+            PromptTooLong: ``len(prompt) + len(output) >= max_model_len``.
             ValueError: empty prompt, token id outside ``[0, vocab_size)``,
-                ``len(prompt) + len(output) >= max_model_len``, invalid
-                sampling parameters, a handle already in use, or
+                invalid sampling parameters, a handle already in use, or
                 ``output_token_ids`` that already finish the request.
             CapacityError: ``max_num_seqs`` requests are already waiting or running.
         """
         if req.handle in self._by_handle:
             raise ValueError(f"handle {req.handle} is already in use")
-        if len(self._waiting) + self._num_running >= self.max_num_seqs:
+        if len(self._waiting) + len(self._running) >= self.max_num_seqs:
             raise CapacityError(f"engine is full: {self.max_num_seqs} unfinished requests")
         seq = self._make_sequence(req.handle, req)
         self._by_handle[req.handle] = seq
         self._waiting.append(seq)
 
     def abort(self, handle: int) -> bool:
-        """Drop request ``handle``, freeing its slot at once; True if it was unfinished.
+        """Drop request ``handle``, freeing its blocks at once; True if it was unfinished.
 
-        No further ``TokenOutput`` is produced for it.
+        No further output is produced for it.
         """
         seq = self._by_handle.get(handle)
         if seq is None:
             return False
-        if seq.slot is None:
+        if seq.running:
+            self._release(seq)
+        else:
             self._waiting.remove(seq)
             del self._by_handle[handle]
-        else:
-            with torch.inference_mode():
-                self._free(seq)
         return True
 
-    def step(self) -> list[TokenOutput]:
-        """Decode one token for each running request, then admit and prefill waiting ones.
+    def step(self) -> list[TokenOutput | RequestError]:
+        """Schedule within the token budget, run one forward, sample; see the module docstring.
 
-        Returns the step's outputs, one per request that produced a token;
-        [] when idle.
+        Returns the step's outputs: one ``TokenOutput`` per sequence that got a
+        token, one ``RequestError`` per sequence that failed; [] when idle or
+        when the step only prefilled prompt chunks.
         """
-        outputs: list[TokenOutput] = []
+        outputs: list[TokenOutput | RequestError] = []
         with torch.inference_mode():
-            if self._num_running:
-                self._decode(outputs)
-            if self._waiting and self._free_slots:
-                self._admit_and_prefill(outputs)
+            scheduled = self._schedule()
+            if scheduled:
+                self._run(scheduled, outputs)
         return outputs
 
     def warmup(self) -> None:
         """Prefill and decode a tiny request (random sampling with top-k/top-p) and discard it.
 
         Raises:
-            EngineError: the engine is not idle.
+            EngineError: the engine is not idle, or the warmup request failed.
         """
         if self.has_unfinished():
             raise EngineError("warmup needs an idle engine")
         params = SamplingParams(
             max_tokens=_WARMUP_MAX_TOKENS, temperature=1.0, top_p=0.9, top_k=2, seed=0, ignore_eos=True
         )
-        prompt = [_FILLER_TOKEN_ID] * max(1, min(_WARMUP_PROMPT_LEN, self.max_model_len - _WARMUP_MAX_TOKENS))
+        prompt = [0] * max(1, min(_WARMUP_PROMPT_LEN, self.max_model_len - _WARMUP_MAX_TOKENS))
         seq = self._make_sequence(None, EngineRequest(handle=-1, prompt_token_ids=prompt, params=params))
-        discarded: list[TokenOutput] = []
-        with torch.inference_mode():
-            self._assign_slots([seq])
-            self._prefill([seq], len(prompt), discarded)
-            while seq.slot is not None:
-                self._decode(discarded)
+        self._waiting.append(seq)
+        produced = 0
+        while self.has_unfinished():
+            produced += len(self.step())
+        self._blocks.reset_prefix_cache()
+        if produced != _WARMUP_MAX_TOKENS:
+            raise EngineError("the warmup request failed (see the log)")
+
+    # ------------------------------------------------------------ requests
 
     def _make_sequence(self, handle: int | None, req: EngineRequest) -> _Sequence:
         """Validate ``req`` and build its engine-side state."""
@@ -590,210 +362,225 @@ class Engine(BaseEngine):
         prompt = req.prompt_token_ids
         output = req.output_token_ids
         stop_ids, user_stop_ids = check_request(req, self.max_model_len, self.vocab_size, self.eos_token_ids)
-        input_ids = list(prompt) + list(output)
         detokenizer = IncrementalDetokenizer(self._tokenizer, params.stop, prior_token_ids=output)
         if detokenizer.stop_string is not None:
             raise ValueError("output_token_ids already contain a stop string")
-
         greedy = params.temperature <= GREEDY_TEMPERATURE_EPS
-        top_k = params.top_k if 0 < params.top_k < self.vocab_size else self.vocab_size
         seeded = params.seed is not None and not greedy
+        self._next_seq_id += 1
         return _Sequence(
+            seq_id=self._next_seq_id,
             handle=handle,
             request=req,
-            input_ids=input_ids,
+            token_ids=list(prompt) + list(output),
             num_prompt_tokens=len(prompt),
             max_output_tokens=min(params.max_tokens, self.max_model_len - len(prompt)),
             stop_token_ids=stop_ids,
             user_stop_token_ids=user_stop_ids,
             detokenizer=detokenizer,
             generator=torch.Generator(device=self.device) if seeded else None,
-            seed=params.seed,
             greedy=greedy,
             temperature=1.0 if greedy else float(params.temperature),
-            top_k=top_k,
+            top_k=params.top_k if 0 < params.top_k < self.vocab_size else self.vocab_size,
             top_p=float(params.top_p),
+            priority=req.priority,
         )
 
-    def _assign_slots(self, batch: list[_Sequence]) -> None:
-        """Give each sequence the lowest free slot and load its sampling parameters."""
-        for seq in batch:
-            slot = heapq.heappop(self._free_slots)
-            seq.slot = slot
-            self._slots[slot] = seq
-            if slot >= self._high:
-                self._high = slot + 1
-            self._num_running += 1
-            if not seq.greedy:
-                self._num_random += 1
-                self._num_top_k += seq.top_k < self.vocab_size
-                self._num_top_p += seq.top_p < 1.0
-            if seq.generator is not None:
-                self._seeded[slot] = seq
-        slots = torch.tensor([seq.slot for seq in batch], dtype=torch.long, device=self.device)
-        self._temperature[slots] = torch.tensor(
-            [seq.temperature for seq in batch], dtype=torch.float32, device=self.device
-        )
-        self._greedy[slots] = torch.tensor([seq.greedy for seq in batch], dtype=torch.bool, device=self.device)
-        self._top_k[slots] = torch.tensor([seq.top_k for seq in batch], dtype=torch.long, device=self.device)
-        self._top_p[slots] = torch.tensor([seq.top_p for seq in batch], dtype=torch.float32, device=self.device)
-
-    def _free(self, seq: _Sequence) -> None:
-        """Release ``seq``'s slot and forget the request."""
-        slot = seq.slot
-        seq.slot = None
-        self._slots[slot] = None
-        self._active[slot] = False
-        self._lens[slot] = 0
-        self._lens_list[slot] = 0
-        heapq.heappush(self._free_slots, slot)
-        while self._high and self._slots[self._high - 1] is None:
-            self._high -= 1
-        self._num_running -= 1
-        if not seq.greedy:
-            self._num_random -= 1
-            self._num_top_k -= seq.top_k < self.vocab_size
-            self._num_top_p -= seq.top_p < 1.0
-        self._seeded.pop(slot, None)
+    def _release(self, seq: _Sequence) -> None:
+        """Free a running sequence's blocks and forget the request."""
+        self._stop_running(seq)
         if seq.handle is not None:
             del self._by_handle[seq.handle]
 
-    def _admit_and_prefill(self, outputs: list[TokenOutput]) -> None:
-        """Move waiting requests into free slots within the token budget and prefill them."""
-        batch: list[_Sequence] = []
-        max_len = 0
-        while self._waiting and len(batch) < len(self._free_slots):
-            seq_len = len(self._waiting[0].input_ids)
-            padded = max(max_len, seq_len)
-            if batch and padded * (len(batch) + 1) > self.max_num_batched_tokens:
+    def _stop_running(self, seq: _Sequence) -> None:
+        self._blocks.free(seq.seq_id)
+        self._running.remove(seq)
+        seq.running = False
+        self._num_random -= not seq.greedy
+
+    def _preempt(self, seq: _Sequence) -> None:
+        """Recompute preemption: drop ``seq``'s KV and put it first in the waiting queue."""
+        self._stop_running(seq)
+        seq.num_computed = 0
+        self._waiting.appendleft(seq)
+        self.num_preemptions += 1
+        log.debug("request %s preempted after %d tokens: KV cache full", seq.handle, len(seq.token_ids))
+
+    # ------------------------------------------------------------ scheduling
+
+    def _schedule(self) -> dict[_Sequence, int]:
+        """Choose this step's sequences and their new-token counts (decodes, running chunks, then admissions)."""
+        scheduled: dict[_Sequence, int] = {}
+        budget = self.max_num_batched_tokens
+        for decode in (True, False):
+            for seq in list(self._running):
+                if budget == 0:
+                    return scheduled
+                remaining = len(seq.token_ids) - seq.num_computed
+                if not seq.running or (remaining == 1) != decode:
+                    continue
+                num_new = min(remaining, budget)
+                refund = self._reserve(seq, seq.num_computed + num_new, scheduled)
+                budget += refund
+                if seq.running:
+                    scheduled[seq] = num_new
+                    budget -= num_new
+        blocks = self._blocks
+        while self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
+            seq = self._waiting[0]
+            num_tokens = len(seq.token_ids)
+            hashes = self._block_hashes(seq)
+            reserve = self._watermark if self._running else 0
+            if not blocks.can_allocate(num_tokens + reserve * self.block_size, hashes, num_tokens - 1):
                 break
-            batch.append(self._waiting.popleft())
-            max_len = padded
-        self._assign_slots(batch)
-        self._prefill(batch, max_len, outputs)
+            seq.num_computed = blocks.allocate(seq.seq_id, num_tokens, hashes, num_tokens - 1)
+            self._waiting.popleft()
+            seq.running = True
+            seq.started = self._next_start
+            self._next_start += 1
+            self._running.append(seq)
+            self._num_random += not seq.greedy
+            num_new = min(num_tokens - seq.num_computed, budget)
+            scheduled[seq] = num_new
+            budget -= num_new
+        return scheduled
 
-    def _prefill(self, batch: list[_Sequence], max_len: int, outputs: list[TokenOutput]) -> None:
-        """One left-padded forward over ``batch`` (``n`` rows, ``max_len`` columns); sample first tokens.
+    def _reserve(self, seq: _Sequence, num_tokens: int, scheduled: dict[_Sequence, int]) -> int:
+        """Make ``seq`` hold ``num_tokens`` positions, preempting others while blocks run out.
 
-        Row ``i`` has ``pad_i`` leading filler tokens. Its real token ``j``
-        gets position ``j`` and cache column ``j``; padding gets position 0 and
-        the trash column. Query ``q`` may read key ``k`` iff ``k <= q`` and
-        ``k`` is a real token, except that a padding query reads only itself
-        (so no query row is fully masked, which would give NaN).
+        Victims: the least urgent (highest ``priority``), most recently started
+        running sequence, possibly ``seq`` itself. Returns the budget freed by
+        victims that were already scheduled this step.
         """
+        refund = 0
+        while not self._blocks.append_slots(seq.seq_id, num_tokens):
+            victim = max(self._running, key=lambda s: (s.priority, s.started))
+            self._preempt(victim)
+            refund += scheduled.pop(victim, 0)
+            if victim is seq:
+                break
+        return refund
+
+    def _block_hashes(self, seq: _Sequence) -> list[bytes]:
+        """Prefix keys of ``seq``'s full blocks (extended as a resumed sequence grows)."""
+        if not self.enable_prefix_caching:
+            return []
+        full = len(seq.token_ids) // self.block_size
+        if len(seq.hashes) < full:
+            parent = seq.hashes[-1] if seq.hashes else None
+            seq.hashes += block_hashes(seq.token_ids[:full * self.block_size], self.block_size, len(seq.hashes),
+                                       parent)
+        return seq.hashes
+
+    # ------------------------------------------------------------ execution
+
+    def _run(self, scheduled: dict[_Sequence, int], outputs: list) -> None:
+        """Execute the step; on failure run each sequence alone and end those that still fail."""
+        items = list(scheduled.items())
+        try:
+            tokens = self._execute(items)
+        except Exception as exc:
+            if len(items) == 1:
+                self._fail(items[0][0], exc, outputs)
+                return
+            log.warning("a step of %d sequences failed (%s: %s); running each alone", len(items),
+                        type(exc).__name__, exc)
+            for item in items:
+                try:
+                    token = self._execute([item])
+                except Exception as alone_exc:
+                    self._fail(item[0], alone_exc, outputs)
+                    continue
+                self._advance([item], token, outputs)
+            return
+        self._advance(items, tokens, outputs)
+
+    def _execute(self, items: list[tuple[_Sequence, int]]) -> list[int]:
+        """One forward over the packed new tokens of ``items``; the sampled token of each completing sequence."""
+        decodes, prefills, input_ids, positions, rows, sampled = [], [], [], [], [], []
+        for seq, num_new in items:
+            if num_new == 1:
+                pos = seq.num_computed
+                decodes.append((self._blocks.block_table(seq.seq_id), pos))
+                input_ids.append(seq.token_ids[pos])
+                positions.append(pos)
+                if pos + 1 == len(seq.token_ids):
+                    rows.append(len(decodes) - 1)
+                    sampled.append(seq)
+        row = len(decodes)
+        for seq, num_new in items:
+            if num_new > 1:
+                start = seq.num_computed
+                prefills.append((self._blocks.block_table(seq.seq_id), start, num_new))
+                input_ids += seq.token_ids[start:start + num_new]
+                positions += range(start, start + num_new)
+                row += num_new
+                if start + num_new == len(seq.token_ids):
+                    rows.append(row - 1)
+                    sampled.append(seq)
         device = self.device
-        lengths = [len(seq.input_ids) for seq in batch]
-        rows = [[_FILLER_TOKEN_ID] * (max_len - n) + seq.input_ids for seq, n in zip(batch, lengths)]
-        input_ids = torch.tensor(rows, dtype=torch.long, device=device)
-        lengths_t = torch.tensor(lengths, dtype=torch.long, device=device)
-        slots = torch.tensor([seq.slot for seq in batch], dtype=torch.long, device=device)
-
-        arange = self._arange[:max_len]
-        pads = (max_len - lengths_t).unsqueeze(1)
-        rel = arange.unsqueeze(0) - pads
-        is_token = rel >= 0
-        position_ids = rel.clamp(min=0)
-        columns = torch.where(is_token, rel, self._trash)
-        query = arange.view(1, max_len, 1)
-        key = arange.view(1, 1, max_len)
-        allowed = (key <= query) & ((key >= pads.unsqueeze(2)) | (key == query))
-        mask = torch.zeros((len(batch), 1, max_len, max_len), dtype=self.dtype, device=device)
-        mask.masked_fill_(~allowed.unsqueeze(1), float("-inf"))
-
-        self._cache.set_prefill(slots, columns)
-        logits = self._forward(input_ids, position_ids, mask)
-
-        if self._num_random:
-            params = SamplingTensors(
-                temperature=self._temperature[slots],
-                greedy=self._greedy[slots],
-                top_k=self._top_k[slots],
-                top_p=self._top_p[slots],
-                all_greedy=all(seq.greedy for seq in batch),
-                any_greedy=any(seq.greedy for seq in batch),
-                use_top_k=self._num_top_k > 0,
-                use_top_p=self._num_top_p > 0,
-                seeded_rows=[
-                    (i, self._seed_generator(seq)) for i, seq in enumerate(batch) if seq.generator is not None
-                ],
-                generator=self._generator,
-            )
-            tokens = sample(logits, params)
-        else:
-            tokens = logits.argmax(dim=-1)
-
-        self._lens[slots] = lengths_t
-        self._pending[slots] = tokens
-        self._active[slots] = True
-        for seq, n in zip(batch, lengths):
-            self._lens_list[seq.slot] = n
-        for seq, token_id in zip(batch, tokens.tolist()):
-            self._append_token(seq, token_id, outputs)
-
-    def _decode(self, outputs: list[TokenOutput]) -> None:
-        """One forward of the pending token of every running request over slot rows ``[lo, hi)``.
-
-        ``lo`` / ``hi`` are the lowest / highest occupied slot (+1 for ``hi``).
-        """
-        slots = self._slots
-        lo, hi = 0, self._high
-        while slots[lo] is None:
-            lo += 1
-        m = hi - lo
-        lens = self._lens[lo:hi]
-        active = self._active[lo:hi]
-        kv_len = max(self._lens_list[lo:hi]) + 1
-        columns = torch.where(active, lens, self._trash)
-        mask = torch.zeros((m, 1, 1, kv_len), dtype=self.dtype, device=self.device)
-        mask.masked_fill_((self._arange[:kv_len] > lens.unsqueeze(1)).view(m, 1, 1, kv_len), float("-inf"))
-
-        self._cache.set_decode(lo, hi, columns, kv_len)
-        logits = self._forward(self._pending[lo:hi].unsqueeze(1), lens.unsqueeze(1), mask)
-
-        if self._num_random:
-            params = SamplingTensors(
-                temperature=self._temperature[lo:hi],
-                greedy=self._greedy[lo:hi],
-                top_k=self._top_k[lo:hi],
-                top_p=self._top_p[lo:hi],
-                all_greedy=False,
-                any_greedy=self._num_random < self._num_running,
-                use_top_k=self._num_top_k > 0,
-                use_top_p=self._num_top_p > 0,
-                seeded_rows=[(slot - lo, self._seed_generator(seq)) for slot, seq in self._seeded.items()],
-                generator=self._generator,
-            )
-            tokens = sample(logits, params)
-        else:
-            tokens = logits.argmax(dim=-1)
-
-        self._pending[lo:hi] = tokens
-        lens.add_(active)
-        lens_list = self._lens_list
-        for slot, seq, token_id in zip(range(lo, hi), slots[lo:hi], tokens.tolist()):
-            if seq is not None:
-                lens_list[slot] += 1
-                self._append_token(seq, token_id, outputs)
-
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Run the model on ``[n, q]`` tokens; return the last position's logits ``[n, vocab]``."""
+        meta = build_metadata(decodes, prefills, self.block_size, device)
+        self._cache.slot_mapping = meta.slot_mapping
         out = self._model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=position_ids,
-            cache=self._cache,
+            input_ids=torch.tensor([input_ids], dtype=torch.long, device=device),
+            position_ids=torch.tensor([positions], dtype=torch.long, device=device),
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=torch.tensor(rows, dtype=torch.long, device=device),
+            paged=meta,
+            **{self._cache_kwarg: self._cache},
         )
-        return out.logits[:, -1]
+        if not sampled:
+            return []
+        logits = out.logits[0]
+        if any(not seq.greedy for seq in sampled):
+            tokens = sample(logits, self._sampling_tensors(sampled))
+        else:
+            tokens = logits.argmax(dim=-1)
+        # Keep order with ``items``: map each sampled sequence to its token.
+        by_seq = dict(zip(sampled, tokens.tolist()))
+        return [by_seq.get(seq) for seq, _ in items]
+
+    def _advance(self, items: list[tuple[_Sequence, int]], tokens: list, outputs: list) -> None:
+        """Account the computed tokens, register full blocks in the prefix cache, emit sampled tokens."""
+        caching = self.enable_prefix_caching
+        for (seq, num_new), token in zip(items, tokens or [None] * len(items)):
+            seq.num_computed += num_new
+            if caching:
+                self._blocks.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed)
+            if token is not None:
+                self._append_token(seq, token, outputs)
+
+    def _fail(self, seq: _Sequence, exc: Exception, outputs: list) -> None:
+        log.error("request %s failed in a step: %s: %s", seq.handle, type(exc).__name__, exc, exc_info=exc)
+        handle = seq.handle
+        self._release(seq)
+        if handle is not None:
+            outputs.append(RequestError(handle, f"engine step failed: {type(exc).__name__}: {exc}"))
+
+    def _sampling_tensors(self, batch: list[_Sequence]) -> SamplingTensors:
+        device = self.device
+        top_k = [seq.top_k for seq in batch]
+        top_p = [seq.top_p for seq in batch]
+        return SamplingTensors(
+            temperature=torch.tensor([seq.temperature for seq in batch], dtype=torch.float32, device=device),
+            greedy=torch.tensor([seq.greedy for seq in batch], dtype=torch.bool, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.long, device=device),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            all_greedy=False,
+            any_greedy=any(seq.greedy for seq in batch),
+            use_top_k=any(k < self.vocab_size for k in top_k),
+            use_top_p=any(p < 1.0 for p in top_p),
+            seeded_rows=[(i, self._seed_generator(seq)) for i, seq in enumerate(batch) if seq.generator is not None],
+            generator=self._generator,
+        )
 
     @staticmethod
     def _seed_generator(seq: _Sequence) -> torch.Generator:
         """Seed ``seq``'s generator for its next output token and return it."""
-        seq.generator.manual_seed(token_seed(seq.seed, len(seq.request.output_token_ids)))
+        seq.generator.manual_seed(token_seed(seq.request.params.seed, len(seq.request.output_token_ids)))
         return seq.generator
 
-    def _append_token(self, seq: _Sequence, token_id: int, outputs: list[TokenOutput]) -> None:
+    def _append_token(self, seq: _Sequence, token_id: int, outputs: list) -> None:
         """Record a sampled token, apply the stop conditions, emit its ``TokenOutput``.
 
         Order of checks (vLLM's): EOS / stop token, then stop string, then
@@ -801,6 +588,7 @@ class Engine(BaseEngine):
         """
         output_ids = seq.request.output_token_ids
         output_ids.append(token_id)
+        seq.token_ids.append(token_id)
         num_output = len(output_ids)
         detokenizer = seq.detokenizer
         finish_reason = None
@@ -821,19 +609,9 @@ class Engine(BaseEngine):
         if finish_reason is None:
             outputs.append(TokenOutput(seq.handle, num_output - 1, token_id, text))
             return
-        outputs.append(
-            TokenOutput(
-                seq.handle,
-                num_output - 1,
-                token_id,
-                text,
-                finish_reason,
-                stop_reason,
-                seq.num_prompt_tokens,
-                num_output,
-            )
-        )
-        self._free(seq)
+        outputs.append(TokenOutput(seq.handle, num_output - 1, token_id, text, finish_reason, stop_reason,
+                                   seq.num_prompt_tokens, num_output))
+        self._release(seq)
 
 
 def _model_eos_token_ids(model, config) -> tuple[int, ...]:

@@ -41,7 +41,7 @@ import signal
 import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import msgspec
 import zmq
@@ -118,6 +118,13 @@ def policy_of(config: Config) -> SchedulerPolicy:
     )
 
 
+def kv_cache_usage(load: P.WorkerHeartbeat) -> float:
+    """Blocks held by requests / blocks in the pool, from a worker's last report (0 before any)."""
+    if not load.kv_blocks_total:
+        return 0.0
+    return 1.0 - load.kv_blocks_free / load.kv_blocks_total
+
+
 @dataclass(eq=False, slots=True)
 class Request:
     """A client request as the front tracks it (all times from ``time.monotonic``)."""
@@ -142,6 +149,7 @@ class Request:
     queue_timer: asyncio.TimerHandle | None = None
     started: float = 0.0
     sched_token: int = 0
+    kv_charge: int = 0
     preempted_from: int | None = None
     """Worker asked to drop this request for a preemption, until it confirms."""
     worker_failures: int = 0
@@ -154,6 +162,10 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
 
     @property
     def max_tokens(self) -> int:
@@ -273,6 +285,11 @@ class Front:
         self.lock = InstanceLock(rundir / f"{config.instance}.lock")
         try:
             self.model = resolve_model_dir(config.model)
+            if config.max_model_len is not None:
+                if config.max_model_len > self.model.max_model_len:
+                    raise ValueError(f"max_model_len = {config.max_model_len} exceeds the model's context of "
+                                     f"{self.model.max_model_len} tokens")
+                self.model = replace(self.model, max_model_len=config.max_model_len)
             self.validator = Validator(load_tokenizer(self.model), self.model)
         except Exception as exc:
             raise StartupError(str(exc)) from exc
@@ -292,6 +309,7 @@ class Front:
         self.owned_paths.append(event_address[len("ipc://"):])
         self.workers = create_workers(config, devices, str(self.model.path), self.ctx, rundir, event_address)
         self.scheduler.workers = [WorkerBudget(w.index) for w in self.workers]
+        self.worker_loads = [P.WorkerHeartbeat(worker=w.index, running=0, waiting=0, steps=0) for w in self.workers]
         self.router = zmq.Socket(self.ctx, zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.router.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)
@@ -439,8 +457,9 @@ class Front:
         match event:
             case P.Doorbell(worker=index):
                 self._read_ring(self.workers[index])
-            case P.WorkerHeartbeat(worker=index):
+            case P.WorkerHeartbeat(worker=index) as beat:
                 self.workers[index].last_heartbeat = time.monotonic()
+                self._on_worker_load(beat)
             case P.WorkerReady() as ready:
                 self._on_worker_ready(ready)
             case P.WorkerStartFailed(worker=index, message=message):
@@ -448,12 +467,34 @@ class Front:
                 if self.state == "starting":
                     self.request_stop(exit_code=1)  # a restart that fails retries with backoff instead
 
+    def _on_worker_load(self, beat: P.WorkerHeartbeat) -> None:
+        """The engine's own KV figures: block use for the gauges, its counters as deltas (they restart with it)."""
+        load = self.worker_loads[beat.worker]
+        label = str(beat.worker)
+        m = self.metrics
+        for name, counter in (("preemptions", m.preemptions.labels("kv_cache")),
+                              ("prefix_cache_queries", m.prefix_cache_queries.labels(label)),
+                              ("prefix_cache_hits", m.prefix_cache_hits.labels(label))):
+            value, last = getattr(beat, name), getattr(load, name)
+            delta = value - last if value >= last else value
+            if delta:
+                counter.inc(delta)
+                if name == "preemptions":
+                    self.counters["preemptions_total"] += delta
+        self.worker_loads[beat.worker] = beat
+
     def _on_worker_ready(self, ready: P.WorkerReady) -> None:
         budget = self.scheduler.workers[ready.worker]
         budget.max_num_seqs = ready.max_num_seqs
         budget.max_model_len = ready.max_model_len
         budget.kv_cache_tokens = ready.kv_cache_tokens
         budget.kv_cache_bytes = ready.kv_cache_bytes
+        budget.block_size = ready.block_size
+        budget.prefix_caching = ready.prefix_caching
+        budget.prefix_index.clear()
+        blocks = ready.kv_cache_tokens // max(ready.block_size, 1)
+        self.worker_loads[ready.worker] = P.WorkerHeartbeat(
+            worker=ready.worker, running=0, waiting=0, steps=0, kv_blocks_total=blocks, kv_blocks_free=blocks)
         budget.ready = True
         self.workers[ready.worker].last_heartbeat = time.monotonic()
         log.info("worker %d ready on %s (pid %d, %d slots)", ready.worker, ready.device, ready.pid, ready.max_num_seqs)
@@ -575,6 +616,7 @@ class Front:
             self.metrics.itl.observe(now - req.last_token)
         req.last_token = now
         req.next_token_seq += 1
+        self.scheduler.grow(req)
         req.output_token_ids.append(rec.token_id)
         req.pending_ids.append(rec.token_id)
         if rec.payload:
@@ -798,7 +840,7 @@ class Front:
             victim, index = preempted
             victim.preempted_from = index
             self.counters["preemptions_total"] += 1
-            self.metrics.preemptions.inc()
+            self.metrics.preemptions.labels("priority").inc()
             log.info("request %s (priority %d) preempted on worker %d after %d tokens",
                      victim.id, victim.priority, index, len(victim.output_token_ids))
             self.workers[index].send(P.Abort(handle=victim.handle))
@@ -814,6 +856,7 @@ class Front:
             handle=req.handle, prompt_token_ids=req.prompt_token_ids, max_tokens=msg.max_tokens,
             temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, seed=msg.seed, stop=msg.stop,
             stop_token_ids=msg.stop_token_ids, ignore_eos=msg.ignore_eos, output_token_ids=req.output_token_ids,
+            priority=req.priority,
         ))
 
     def _abort(self, req: Request, reason: P.FinishReason) -> None:
@@ -992,7 +1035,10 @@ class Front:
             m.waiting.labels(str(priority)).set(count)
         for worker, budget in zip(self.workers, self.scheduler.workers):
             label = str(worker.index)
-            m.kv_cache_usage.labels(label).set(budget.kv_tokens_used / max(budget.kv_cache_tokens, 1))
+            load = self.worker_loads[worker.index]
+            m.kv_cache_usage.labels(label).set(kv_cache_usage(load))
+            m.kv_cache_blocks.labels(label, "total").set(load.kv_blocks_total)
+            m.kv_cache_blocks.labels(label, "free").set(load.kv_blocks_free)
             m.kv_cache_bytes.labels(label).set(budget.kv_cache_bytes)
             m.ring_fill.labels(label).set(worker.ring.fill())
             m.worker_up.labels(label, worker.device).set(1 if budget.ready and worker.alive else 0)
@@ -1091,8 +1137,11 @@ class Front:
                 index=w.index, device=w.device, pid=w.pid, alive=w.alive, running=b.running,
                 max_num_seqs=b.max_num_seqs, max_model_len=b.max_model_len, kv_cache_tokens=b.kv_cache_tokens,
                 kv_cache_tokens_used=b.kv_tokens_used, ring_fill=w.ring.fill(), requests_served=b.served,
+                block_size=b.block_size, kv_blocks_total=load.kv_blocks_total, kv_blocks_free=load.kv_blocks_free,
+                kv_cache_usage=kv_cache_usage(load), preemptions_kv_cache=load.preemptions,
+                prefix_cache_queries=load.prefix_cache_queries, prefix_cache_hits=load.prefix_cache_hits,
             )
-            for w, b in zip(self.workers, self.scheduler.workers)
+            for w, b, load in zip(self.workers, self.scheduler.workers, self.worker_loads)
         ]
         return P.StatusReply(
             version=__version__, ready=self.state == "serving", state=self.state,

@@ -37,15 +37,25 @@ class Metrics:
                                     buckets=LATENCY_BUCKETS_S, registry=r)
         self.prompt_tokens = Counter("ringstream_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("ringstream_generation_tokens", "Tokens generated and streamed", registry=r)
-        self.kv_cache_usage = Gauge("ringstream_kv_cache_usage_ratio", "KV-cache tokens in use / budget",
+        self.kv_cache_usage = Gauge("ringstream_kv_cache_usage_ratio",
+                                    "KV-cache blocks held by requests / blocks in the pool (worker's report)",
                                     ["worker"], registry=r)
+        self.kv_cache_blocks = Gauge("ringstream_kv_cache_blocks", "KV-cache blocks of the pool, total and free",
+                                     ["worker", "state"], registry=r)
+        self.prefix_cache_queries = Counter("ringstream_prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache", ["worker"], registry=r)
+        self.prefix_cache_hits = Counter("ringstream_prefix_cache_hits",
+                                         "Prompt tokens found in the prefix cache (KV reused, not recomputed)",
+                                         ["worker"], registry=r)
         self.kv_cache_bytes = Gauge("ringstream_kv_cache_bytes", "KV-cache allocation", ["worker"], registry=r)
         self.ring_fill = Gauge("ringstream_ring_fill_ratio", "Unread bytes / ring capacity", ["worker"], registry=r)
         self.worker_up = Gauge("ringstream_worker_up", "1 if the worker is ready", ["worker", "device"], registry=r)
         self.worker_restarts = Counter("ringstream_worker_restarts", "Unexpected worker exits restarted",
                                        registry=r)
-        self.preemptions = Counter("ringstream_preemptions", "Running requests preempted for more urgent ones",
-                                   registry=r)
+        self.preemptions = Counter("ringstream_preemptions",
+                                   "Running requests preempted and resumed later, by cause: priority (a more "
+                                   "urgent request waited) or kv_cache (the worker's KV blocks ran out)",
+                                   ["cause"], registry=r)
         self.dropped = Counter("ringstream_dropped_messages", "Messages dropped or refused, by reason",
                                ["reason"], registry=r)
         self._server = None

@@ -2,7 +2,7 @@
 
 One call turns a batch of logits into one token per row, each row with its own
 sampling parameters (greedy, temperature, top-k, top-p, seed). The engine keeps
-the per-slot parameters in tensors and hands the rows of the current batch to
+the per-request parameters and hands the rows of the current batch to
 ``sample``; nothing here loops over the vocabulary in Python.
 
 Methods:

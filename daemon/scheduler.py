@@ -19,12 +19,25 @@ refused at once (``QUEUE_FULL``), or, with ``full_policy="evict"`` and when it
 is strictly more urgent than the least urgent waiting request, it displaces
 that one (Triton's per-level queue policies, TGI's immediate "overloaded").
 
-**Admission.** ``schedule()`` moves the most urgent waiting request to the
-worker with the lowest KV-cache use that has a free slot (``max_concurrency``,
-capped by the engine's ``max_num_seqs``) and free KV-cache tokens for the
-request's whole length (prompt + ``max_tokens``), like TGI's token-budget
-admission. The head of the queue is never overtaken: a large request cannot
-starve behind smaller ones.
+**Admission.** ``schedule()`` moves the most urgent waiting request to a
+worker that has a free slot (``max_concurrency``, capped by the engine's
+``max_num_seqs``) and free KV-cache tokens for the tokens the request holds
+now (prompt + output so far + the next one). The budget follows the tokens in
+use, as the worker's paged KV cache does: a request's charge grows by one per
+token streamed (:meth:`grow`) and is released when it ends, so admission no
+longer reserves ``max_tokens`` the request may never generate. When blocks run
+out inside a worker anyway, its engine preempts and resumes on its own. The
+head of the queue is never overtaken: a large request cannot starve behind
+smaller ones.
+
+**Placement.** Among the workers where it fits, a request goes to the one
+whose prefix cache most likely holds its longest prompt prefix (the keys of
+the prompts recently placed there, :data:`PREFIX_INDEX_BLOCKS` per worker, the
+same chained block hashes the engine uses), unless that worker's load (the
+larger of its KV use and its slot use) is more than :data:`PREFIX_LOAD_SLACK`
+above the least used one's; otherwise to the least used worker (llm-d's
+prefix-aware routing, across GPUs of a host). Workers whose engine has no
+prefix cache are placed by KV use alone.
 
 **Preemption.** When the most urgent waiting request is strictly more urgent
 (by base priority) than a running one and no capacity is free,
@@ -40,11 +53,18 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from daemon.block_manager import block_hashes
+
 COMPACT_SLACK = 64
 """Rebuild the heaps when stale entries outnumber live ones by this much."""
+PREFIX_LOAD_SLACK = 0.25
+"""A worker holding a request's prefix gets it unless its load exceeds the least used worker's by this."""
+PREFIX_INDEX_BLOCKS = 4096
+"""Most prefix keys remembered per worker (the oldest are forgotten first)."""
 
 
 class Schedulable(Protocol):
@@ -52,11 +72,14 @@ class Schedulable(Protocol):
 
     priority: int
     arrival: float
+    prompt_token_ids: list[int]
     num_prompt_tokens: int
+    num_output_tokens: int
     max_tokens: int
     worker: int | None
     started: float
     sched_token: int
+    kv_charge: int
 
 
 @dataclass(slots=True)
@@ -68,10 +91,40 @@ class WorkerBudget:
     max_model_len: int = 0
     kv_cache_tokens: int = 0
     kv_cache_bytes: int = 0
+    block_size: int = 0
+    prefix_caching: bool = False
     running: int = 0
     kv_tokens_used: int = 0
     ready: bool = False
     served: int = 0
+    prefix_index: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    """Keys of the prompt blocks recently placed here, oldest first (see Placement)."""
+
+    @property
+    def kv_use(self) -> float:
+        """Charged KV tokens / capacity."""
+        return self.kv_tokens_used / max(self.kv_cache_tokens, 1)
+
+    def load(self, max_concurrency: int) -> float:
+        """The larger of KV use and slot use, 0..1."""
+        return max(self.kv_use, self.running / max(min(max_concurrency, self.max_num_seqs), 1))
+
+    def prefix_blocks(self, hashes: list[bytes]) -> int:
+        """Leading blocks of ``hashes`` placed here recently."""
+        hits = 0
+        for key in hashes:
+            if key not in self.prefix_index:
+                break
+            hits += 1
+        return hits
+
+    def remember(self, hashes: list[bytes]) -> None:
+        index = self.prefix_index
+        for key in hashes:
+            index[key] = None
+            index.move_to_end(key)
+        while len(index) > PREFIX_INDEX_BLOCKS:
+            index.popitem(last=False)
 
     def fits(self, tokens: int, max_concurrency: int, release_tokens: int = 0, release_slots: int = 0) -> bool:
         """True if one more request of ``tokens`` KV tokens fits (after releasing the given use)."""
@@ -115,8 +168,8 @@ class Scheduler:
 
     @staticmethod
     def kv_tokens(req: Schedulable) -> int:
-        """KV-cache tokens a request may occupy: prompt plus every token it may generate."""
-        return req.num_prompt_tokens + req.max_tokens
+        """KV-cache tokens a request holds when it starts: prompt, output so far (a resume) and the next token."""
+        return req.num_prompt_tokens + req.num_output_tokens + 1
 
     @property
     def num_waiting(self) -> int:
@@ -237,15 +290,32 @@ class Scheduler:
         candidates = [w for w in self.workers if w.fits(tokens, limit)]
         if not candidates:
             return None
-        return min(candidates, key=lambda w: (w.kv_tokens_used / max(w.kv_cache_tokens, 1), w.running, w.index))
+        least = min(candidates, key=lambda w: (w.kv_use, w.running, w.index))
+        if len(self.workers) == 1 or not least.prefix_caching:
+            return least
+        hashes = block_hashes(req.prompt_token_ids[:-1], least.block_size)
+        if len(candidates) > 1 and hashes:
+            best = max(candidates, key=lambda w: (w.prefix_blocks(hashes), -w.kv_use, -w.index))
+            gap = best.load(limit) - least.load(limit)
+            if best.prefix_blocks(hashes) and gap <= PREFIX_LOAD_SLACK:
+                least = best
+        least.remember(hashes)
+        return least
 
     def _start(self, req: Schedulable, worker: WorkerBudget, now: float) -> None:
+        req.kv_charge = self.kv_tokens(req)
         worker.running += 1
-        worker.kv_tokens_used += self.kv_tokens(req)
+        worker.kv_tokens_used += req.kv_charge
         worker.served += 1
         req.worker = worker.index
         req.started = now
         self.running.add(req)
+
+    def grow(self, req: Schedulable, tokens: int = 1) -> None:
+        """A running request holds ``tokens`` more KV-cache tokens (one per token streamed)."""
+        if req.worker is not None:
+            req.kv_charge += tokens
+            self.workers[req.worker].kv_tokens_used += tokens
 
     def finished(self, req: Schedulable) -> None:
         """Give back the budget of a running request that ended or is being preempted."""
@@ -253,7 +323,8 @@ class Scheduler:
             return
         worker = self.workers[req.worker]
         worker.running -= 1
-        worker.kv_tokens_used -= self.kv_tokens(req)
+        worker.kv_tokens_used -= req.kv_charge
+        req.kv_charge = 0
         req.worker = None
         self.running.discard(req)
         assert worker.running >= 0 and worker.kv_tokens_used >= 0, "scheduler budget went negative"
@@ -276,7 +347,7 @@ class Scheduler:
         )
         for victim in victims:
             worker = self.workers[victim.worker]
-            if worker.fits(tokens, limit, release_tokens=self.kv_tokens(victim), release_slots=1):
+            if worker.fits(tokens, limit, release_tokens=victim.kv_charge, release_slots=1):
                 self.finished(victim)
                 return victim, worker.index
         return None

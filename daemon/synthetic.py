@@ -41,7 +41,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from daemon.engine import (
+from daemon.engine_api import (
     FINISH_LENGTH,
     FINISH_STOP,
     BaseEngine,

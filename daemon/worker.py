@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from daemon.engine_api import EngineRequest, PromptTooLong, RequestError, SamplingParams
 from ipc import protocol as P
 from ipc.ring import KIND_ERROR, KIND_FINISH, KIND_TOKEN, RingProducer
 
@@ -71,38 +72,10 @@ class WorkerSpec:
     engine: str = "hf"
     synthetic_step_s: float = 0.001
     memory_utilization: float = 0.85
-
-
-def kv_cache_slots(model, max_model_len: int, spec: WorkerSpec) -> int:
-    """KV-cache slots that fit ``memory_utilization`` of the memory available now, at most ``max_num_seqs``.
-
-    One slot holds ``max_model_len`` tokens of keys and values for every
-    layer: ``2 * layers * kv_heads * head_dim * dtype bytes`` per token.
-    Available memory: ``psutil``'s available RAM on CPU, ``torch.cuda.mem_get_info``'s
-    free bytes on CUDA (measured after the weights are loaded).
-    Raises RuntimeError if not even one slot fits.
-    """
-    import psutil
-    import torch
-
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    dtype_bytes = next(model.parameters()).element_size()
-    slot_bytes = 2 * config.num_hidden_layers * kv_heads * head_dim * dtype_bytes * (max_model_len + 1)
-    if spec.device == "cpu":
-        available = psutil.virtual_memory().available
-    else:
-        available = torch.cuda.mem_get_info(torch.device(spec.device))[0]
-    slots = min(spec.max_num_seqs, int(available * spec.memory_utilization) // slot_bytes)
-    if slots < 1:
-        raise RuntimeError(
-            f"{spec.memory_utilization:.0%} of {available / 2**30:.1f} GiB available holds no KV-cache slot "
-            f"of {slot_bytes / 2**20:.1f} MiB"
-        )
-    if slots < spec.max_num_seqs:
-        log.warning("memory allows %d KV-cache slots of the %d configured", slots, spec.max_num_seqs)
-    return slots
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_bytes: int | None = None
+    enable_prefix_caching: bool = True
 
 
 class FrontGone(Exception):
@@ -252,7 +225,7 @@ class Worker:
                 from daemon.synthetic import SyntheticEngine
 
                 self.engine = SyntheticEngine(
-                    max_num_seqs=spec.max_num_seqs, max_model_len=info.max_model_len,
+                    max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len or info.max_model_len,
                     step_time_s=spec.synthetic_step_s, vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
                 )
             else:
@@ -260,8 +233,13 @@ class Worker:
                 self.engine = Engine(
                     model,
                     load_tokenizer(info),
-                    max_num_seqs=kv_cache_slots(model, info.max_model_len, spec),
+                    max_num_seqs=spec.max_num_seqs,
+                    max_model_len=spec.max_model_len,
                     max_num_batched_tokens=spec.max_num_batched_tokens,
+                    block_size=spec.block_size,
+                    kv_cache_bytes=spec.kv_cache_bytes,
+                    memory_utilization=spec.memory_utilization,
+                    enable_prefix_caching=spec.enable_prefix_caching,
                     eos_token_ids=info.eos_token_ids,
                     device=spec.device,
                     seed=spec.seed,
@@ -284,8 +262,11 @@ class Worker:
             worker=spec.index, pid=os.getpid(), device=spec.device,
             max_num_seqs=engine.max_num_seqs, max_model_len=engine.max_model_len,
             kv_cache_tokens=engine.kv_cache_tokens, kv_cache_bytes=engine.kv_cache_bytes,
+            block_size=engine.block_size, prefix_caching=engine.enable_prefix_caching,
         ))
-        log.info("ready on %s: max_num_seqs=%d max_model_len=%d", spec.device, engine.max_num_seqs, engine.max_model_len)
+        log.info("ready on %s: max_num_seqs=%d max_model_len=%d, KV cache %d blocks of %d tokens (%.1f MiB)",
+                 spec.device, engine.max_num_seqs, engine.max_model_len, engine.num_blocks, engine.block_size,
+                 engine.kv_cache_bytes / 2**20)
 
     # ---------------------------------------------------------------- loop
 
@@ -322,9 +303,12 @@ class Worker:
         now = time.monotonic()
         if now >= self.next_heartbeat:
             self.next_heartbeat = now + self.spec.heartbeat_s
+            engine = self.engine
             self._send(P.WorkerHeartbeat(
-                worker=self.spec.index, running=self.engine.num_running,
-                waiting=self.engine.num_waiting, steps=self.steps,
+                worker=self.spec.index, running=engine.num_running, waiting=engine.num_waiting, steps=self.steps,
+                kv_blocks_total=engine.num_blocks, kv_blocks_free=engine.num_free_blocks,
+                preemptions=engine.num_preemptions, prefix_cache_queries=engine.prefix_queries,
+                prefix_cache_hits=engine.prefix_hits,
             ))
 
     def _take_commands(self, timeout_ms: int) -> bool:
@@ -361,15 +345,17 @@ class Worker:
                     self._write_finish(handle, 0, P.Finish(finish_reason=P.FinishReason.CANCELLED))
 
     def _assign(self, cmd: P.Assign) -> None:
-        from daemon.engine import EngineRequest, SamplingParams
-
         params = SamplingParams(
             max_tokens=cmd.max_tokens, temperature=cmd.temperature, top_p=cmd.top_p, top_k=cmd.top_k,
             seed=cmd.seed, stop=tuple(cmd.stop), stop_token_ids=tuple(cmd.stop_token_ids),
             ignore_eos=cmd.ignore_eos,
         )
         try:
-            self.engine.add(EngineRequest(cmd.handle, list(cmd.prompt_token_ids), params, list(cmd.output_token_ids)))
+            self.engine.add(EngineRequest(cmd.handle, list(cmd.prompt_token_ids), params,
+                                          list(cmd.output_token_ids), cmd.priority))
+        except PromptTooLong as exc:
+            self._write_error(cmd.handle, P.ErrorCode.PROMPT_TOO_LONG, str(exc))
+            return
         except ValueError as exc:
             self._write_error(cmd.handle, P.ErrorCode.INVALID_REQUEST, str(exc))
             return
@@ -388,6 +374,10 @@ class Worker:
     # ---------------------------------------------------------------- ring
 
     def _write_output(self, out) -> None:
+        if isinstance(out, RequestError):  # that request's step failed; the others go on
+            self.handles.discard(out.handle)
+            self._write_error(out.handle, P.ErrorCode.INTERNAL, out.message)
+            return
         self._write(KIND_TOKEN, 0, out.handle, out.seq, out.token_id, out.text.encode())
         if out.finish_reason is not None:
             self.handles.discard(out.handle)

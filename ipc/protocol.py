@@ -217,6 +217,14 @@ class WorkerStatus(Struct, **_WIRE):
     kv_cache_tokens_used: int
     ring_fill: float
     requests_served: int
+    block_size: int = 1
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    kv_cache_usage: float = 0.0
+    """Blocks held by requests / blocks in the pool (0..1), as the worker last reported."""
+    preemptions_kv_cache: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class StatusReply(Struct, tag="status_reply", **_WIRE):
@@ -265,6 +273,9 @@ class Assign(Struct, tag="assign", **_WIRE):
     stop_token_ids: list[int]
     ignore_eos: bool
     output_token_ids: list[int] = []
+    priority: int = 0
+    """The request's priority (lower is more urgent): the engine preempts the least urgent first
+    when its KV-cache blocks run out."""
 
 
 class Abort(Struct, tag="abort", **_WIRE):
@@ -298,6 +309,10 @@ class WorkerReady(Struct, tag="worker_ready", **_WIRE):
     max_model_len: int
     kv_cache_tokens: int
     kv_cache_bytes: int
+    block_size: int = 1
+    """Token positions per KV-cache block; ``kv_cache_tokens`` is a whole number of blocks."""
+    prefix_caching: bool = False
+    """The engine reuses the KV blocks of prompt prefixes (the front then places requests by prefix)."""
 
 
 class WorkerStartFailed(Struct, tag="worker_start_failed", **_WIRE):
@@ -320,6 +335,15 @@ class WorkerHeartbeat(Struct, tag="worker_heartbeat", **_WIRE):
     running: int
     waiting: int
     steps: int
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    """KV-cache blocks no request holds (cached prefixes included: they are evicted on demand)."""
+    preemptions: int = 0
+    """Requests the engine preempted because KV-cache blocks ran out (since the worker started)."""
+    prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the prefix cache (since the worker started)."""
+    prefix_cache_hits: int = 0
+    """Prompt tokens found there."""
 
 
 WorkerEvent = Union[WorkerReady, WorkerStartFailed, Doorbell, WorkerHeartbeat]

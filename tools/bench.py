@@ -45,6 +45,7 @@ from pathlib import Path
 # (daemon.supervisor.HUGE_PAGES_ENV); PyTorch reads this at its first allocation.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
+from tools import bench_kv  # noqa: E402
 from tools.bench_stats import RequestRecord, cdf, itl_samples, summarize, timeline  # noqa: E402
 from tools.loadgen import Dist, LoadConfig, WorkloadError, WorkloadSpec, parse_priority_mix, run_load  # noqa: E402
 
@@ -772,6 +773,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", help="write the report (config, summary, timeline) to this file")
     run.add_argument("--plot", help="draw latency CDFs and tokens/s over time into this PNG (needs matplotlib)")
 
+    bench_kv.add_parser(sub)
+
     cmp = sub.add_parser("compare", help="daemon against baselines and the serving-layer ceilings, one table")
     preset = cmp.add_mutually_exclusive_group()
     preset.add_argument("--quick", action="store_const", const="quick", dest="preset",
@@ -852,6 +855,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             return _run_command(args, command)
+        if args.command == "kv":
+            return bench_kv.command(args)
         return _compare_command(args, command)
     except (WorkloadError, PlotUnavailable) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)

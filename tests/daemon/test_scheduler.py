@@ -14,10 +14,13 @@ class FakeRequest:
         self.priority = priority
         self.arrival = arrival
         self.num_prompt_tokens = prompt
+        self.prompt_token_ids = [self.id % 1000 + 3] * prompt
+        self.num_output_tokens = 0
         self.max_tokens = max_tokens
         self.worker = None
         self.started = 0.0
         self.sched_token = 0
+        self.kv_charge = 0
 
     def __repr__(self):
         return f"R{self.id}(p={self.priority}, t={self.arrival})"
@@ -110,7 +113,7 @@ def test_head_of_line_is_never_overtaken():
     first = FakeRequest(0, 0.0, 40, 40)
     sched.add(first)
     started(sched)
-    big, small = FakeRequest(0, 1.0, 50, 40), FakeRequest(0, 2.0, 1, 1)
+    big, small = FakeRequest(0, 1.0, 60, 40), FakeRequest(0, 2.0, 1, 1)  # 41 + 61 > 100 tokens
     sched.add(big)
     sched.add(small)
     assert started(sched) == []
@@ -194,6 +197,58 @@ def test_clear_worker_returns_its_running_requests():
     on_one = {r for r, w in placed if w.index == 1}
     assert set(sched.clear_worker(1)) == on_one
     assert sched.workers[1].running == 0 and not sched.workers[1].ready
+
+
+def test_budget_follows_tokens_in_use():
+    """A request is charged prompt + output so far + 1, grows per token streamed, and frees it all at the end."""
+    sched = make(slots=8, kv_tokens=100, aging_rate=0.0)
+    a, b = FakeRequest(0, 0.0, 40, 1000), FakeRequest(0, 1.0, 40, 1000)
+    sched.add(a)
+    sched.add(b)
+    assert started(sched) == [a, b]  # max_tokens is not reserved: 41 + 41 <= 100
+    worker = sched.workers[0]
+    assert worker.kv_tokens_used == 82
+    for _ in range(10):
+        sched.grow(a)
+    assert worker.kv_tokens_used == 92 and a.kv_charge == 51
+    c = FakeRequest(0, 2.0, 10, 1)
+    sched.add(c)
+    assert started(sched) == []  # 92 + 11 > 100
+    sched.finished(a)
+    assert worker.kv_tokens_used == 41 and a.kv_charge == 0
+    assert started(sched) == [c]
+    resumed = FakeRequest(0, 3.0, 10, 100)
+    resumed.num_output_tokens = 20
+    assert sched.kv_tokens(resumed) == 31
+
+
+def test_prefix_aware_placement_prefers_the_worker_holding_the_prefix():
+    sched = make(workers=2, slots=8, kv_tokens=1000, aging_rate=0.0)
+    for w in sched.workers:
+        w.block_size, w.prefix_caching = 4, True
+    shared = list(range(3, 23))
+    first = FakeRequest(0, 0.0, 0, 1)
+    first.prompt_token_ids, first.num_prompt_tokens = shared + [50], 21
+    sched.add(first)
+    (placed,) = sched.schedule(0.0)
+    home = placed[1]
+    other = sched.workers[1 - home.index]
+    other.kv_tokens_used = 0  # the other worker is idle: least used, yet the prefix wins
+    second = FakeRequest(0, 1.0, 0, 1)
+    second.prompt_token_ids, second.num_prompt_tokens = shared + [60, 61], 22
+    sched.add(second)
+    assert sched.schedule(0.0)[0][1] is home
+    # a prompt sharing nothing goes to the least used worker
+    third = FakeRequest(0, 2.0, 0, 1)
+    third.prompt_token_ids, third.num_prompt_tokens = list(range(500, 530)), 30
+    sched.add(third)
+    assert sched.schedule(0.0)[0][1] is other
+    # the prefix's worker clearly busier: balance wins
+    home.kv_tokens_used = 900
+    fourth = FakeRequest(0, 3.0, 0, 1)
+    fourth.prompt_token_ids, fourth.num_prompt_tokens = shared + [70], 21
+    sched.add(fourth)
+    assert sched.schedule(0.0)[0][1] is other
 
 
 def test_max_request_tokens_is_the_largest_ready_worker_limit():

@@ -1,0 +1,250 @@
+"""The engine interface, free of torch: request, parameter and output types, shared checks.
+
+The worker drives any :class:`BaseEngine` (the paged Hugging Face engine of
+:mod:`daemon.engine`, the synthetic one of :mod:`daemon.synthetic`) through
+``add`` / ``abort`` / ``step``. Importing this module loads no torch, so the
+synthetic engine starts without it.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+__all__ = [
+    "BaseEngine",
+    "CapacityError",
+    "EngineError",
+    "EngineRequest",
+    "PromptTooLong",
+    "RequestError",
+    "SamplingParams",
+    "TokenOutput",
+    "check_request",
+]
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+
+# Temperatures at or below this are treated as greedy (vLLM's _SAMPLING_EPS).
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick and when to stop generating tokens for one request.
+
+    Attributes:
+        max_tokens: maximum number of output tokens (>= 1), counting tokens of
+            a resumed request generated before the resume.
+        temperature: logit divisor; 0 means greedy (argmax).
+        top_p: nucleus mass kept, in (0, 1]; 1.0 disables it.
+        top_k: number of most likely tokens kept; 0 disables it.
+        seed: per-request seed; the same seed and prompt give the same tokens
+            whatever else is batched with the request, and a resumed request
+            continues the same tokens (the generator is reseeded per output
+            token from ``(seed, seq)``). None uses the engine's generator.
+        stop: stop strings; the output text ends right before the first one to
+            appear, which is not included.
+        stop_token_ids: token ids that end the request (included in the output
+            token ids, contributing no text).
+        ignore_eos: keep generating past the model's EOS token(s).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """One generation request.
+
+    Attributes:
+        handle: caller-chosen id, unique among the engine's unfinished requests.
+        prompt_token_ids: the prompt, already tokenized (BOS included if the
+            model expects one).
+        params: sampling and stop parameters.
+        output_token_ids: tokens already generated. On ``add`` they are
+            prefilled together with the prompt and generation continues with
+            ``seq = len(output_token_ids)``; the detokenizer state is rebuilt so
+            no text is repeated. The engine appends each new token to this list.
+        priority: lower is more urgent (the front's scale); when KV blocks run
+            out the engine preempts the least urgent, most recently started
+            request first.
+    """
+
+    handle: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    priority: int = 0
+
+
+@dataclass(slots=True)
+class TokenOutput:
+    """One generated token of one request (one per running request per step).
+
+    Attributes:
+        handle: the request's handle.
+        seq: 0-based index of this token in the request's output.
+        token_id: the token.
+        text: text delta, whole UTF-8 characters only (may be "").
+        finish_reason: "stop" or "length" on the request's last token, else None.
+        stop_reason: the stop string or ``stop_token_ids`` entry that ended the
+            request; None for EOS and for "length" (vLLM's convention).
+        num_prompt_tokens: prompt length, on the last output only.
+        num_output_tokens: output length, on the last output only.
+    """
+
+    handle: int
+    seq: int
+    token_id: int
+    text: str
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass(slots=True)
+class RequestError:
+    """A request the engine ended with an error (its step failed); no further output follows.
+
+    Attributes:
+        handle: the request's handle.
+        message: what failed, for the client.
+    """
+
+    handle: int
+    message: str
+
+
+class EngineError(Exception):
+    """Base class of engine errors."""
+
+
+class PromptTooLong(ValueError):
+    """A request whose tokens can never fit the KV cache or ``max_model_len``."""
+
+
+class CapacityError(EngineError):
+    """The engine already holds ``max_num_seqs`` unfinished requests."""
+
+
+def check_request(req: EngineRequest, max_model_len: int, vocab_size: int,
+                  eos_token_ids: tuple[int, ...]) -> tuple[frozenset[int], frozenset[int]]:
+    """Check what every engine requires of a request; return ``(stop_token_ids, user_stop_token_ids)``.
+
+    ``stop_token_ids`` adds ``eos_token_ids`` to the request's own unless it
+    ignores EOS. Raises ValueError for an empty prompt, a token id outside
+    ``[0, vocab_size)``, ``len(prompt) + len(output) >= max_model_len``,
+    ``max_tokens < 1``, a temperature below 0 (or NaN), ``top_p`` outside
+    ``(0, 1]``, ``top_k < 0``, or ``output_token_ids`` (a resumed request)
+    that already hold ``max_tokens`` tokens or end with a stop token.
+    """
+    params = req.params
+    prompt = req.prompt_token_ids
+    output = req.output_token_ids
+    if not prompt:
+        raise ValueError("prompt_token_ids is empty")
+    if len(prompt) + len(output) >= max_model_len:
+        raise PromptTooLong(
+            f"prompt ({len(prompt)}) + output ({len(output)}) tokens leave no room within max_model_len={max_model_len}"
+        )
+    if min(min(prompt), min(output, default=0)) < 0 or max(max(prompt), max(output, default=0)) >= vocab_size:
+        raise ValueError(f"token ids must be in [0, {vocab_size})")
+    if params.max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
+    if len(output) >= params.max_tokens:
+        raise ValueError(f"output_token_ids already hold max_tokens={params.max_tokens} tokens")
+    if not params.temperature >= 0:
+        raise ValueError(f"temperature must be >= 0, got {params.temperature}")
+    if not 0.0 < params.top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+    if params.top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {params.top_k}")
+    user_stop_ids = frozenset(params.stop_token_ids)
+    stop_ids = user_stop_ids if params.ignore_eos else user_stop_ids | frozenset(eos_token_ids)
+    if output and output[-1] in stop_ids:
+        raise ValueError("output_token_ids already end with a stop token")
+    return stop_ids, user_stop_ids
+
+
+class BaseEngine(abc.ABC):
+    """Interface of a generation backend driven by the worker loop.
+
+    The worker calls ``add`` / ``abort`` between steps and ``step`` in a loop
+    while ``has_unfinished()``; each ``step`` returns at most one
+    ``TokenOutput`` (or one ``RequestError``) per running request.
+    """
+
+    max_num_seqs: int
+    max_model_len: int
+    block_size: int = 1
+    """Token positions per KV-cache block."""
+    enable_prefix_caching: bool = False
+    """Whether the engine reuses the KV blocks of prompt prefixes it computed before."""
+    num_preemptions: int = 0
+    """Requests preempted because KV-cache blocks ran out (counter)."""
+    prefix_queries: int = 0
+    """Prompt tokens looked up in the prefix cache (counter)."""
+    prefix_hits: int = 0
+    """Prompt tokens found there (counter)."""
+
+    @property
+    @abc.abstractmethod
+    def kv_cache_tokens(self) -> int:
+        """Token positions the KV cache holds."""
+
+    @property
+    @abc.abstractmethod
+    def kv_cache_bytes(self) -> int:
+        """Bytes allocated for the KV cache."""
+
+    @property
+    def num_blocks(self) -> int:
+        """Usable KV-cache blocks."""
+        return self.kv_cache_tokens // self.block_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        """KV-cache blocks no request holds."""
+        return self.num_blocks
+
+    @abc.abstractmethod
+    def add(self, req: EngineRequest) -> None:
+        """Queue ``req``; it is admitted at a following ``step``."""
+
+    @abc.abstractmethod
+    def abort(self, handle: int) -> bool:
+        """Drop the request ``handle``; return True if it was unfinished."""
+
+    @abc.abstractmethod
+    def step(self) -> list[TokenOutput | RequestError]:
+        """Run one engine step; return its outputs ([] when idle)."""
+
+    @abc.abstractmethod
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
+
+    @property
+    @abc.abstractmethod
+    def num_running(self) -> int:
+        """Requests running (admitted, holding KV-cache blocks)."""
+
+    @property
+    @abc.abstractmethod
+    def num_waiting(self) -> int:
+        """Requests queued for admission."""
+
+    @abc.abstractmethod
+    def warmup(self) -> None:
+        """Run a tiny request through every code path so the first real one is not slow."""
+
+
