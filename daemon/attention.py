@@ -76,8 +76,9 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         g = rows.shape[0]
         length = group.kv_valid.shape[-1]
         # [kv_heads, g * nb, bs * D] -> [g, kv_heads, T, D] with contiguous [T, D] matrices
-        k = key_blocks.index_select(1, group.block_index).view(kv_heads, g, length, head_dim).transpose(0, 1)
-        v = value_blocks.index_select(1, group.block_index).view(kv_heads, g, length, head_dim).transpose(0, 1)
+        k, v = _gather(key_blocks, value_blocks, group.block_index, paged.scratch)
+        k = k.view(kv_heads, g, length, head_dim).transpose(0, 1)
+        v = v.view(kv_heads, g, length, head_dim).transpose(0, 1)
         qg = q.index_select(0, rows)  # [g, heads, head_dim]
         if reduced:
             out[rows] = _decode_matmul(qg, k, v, group.kv_valid, scaling)
@@ -86,8 +87,9 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
                                                enable_gqa=gqa)
             out[rows] = o.squeeze(2)
     for chunk in paged.prefill_chunks:
-        k_all = key_blocks.index_select(1, chunk.block_index).view(1, kv_heads, -1, head_dim)
-        v_all = value_blocks.index_select(1, chunk.block_index).view(1, kv_heads, -1, head_dim)
+        k_all, v_all = _gather(key_blocks, value_blocks, chunk.block_index, paged.scratch)
+        k_all = k_all.view(1, kv_heads, -1, head_dim)
+        v_all = v_all.view(1, kv_heads, -1, head_dim)
         for q_begin, q_end, kv_end, mask in chunk.splits:
             rows = slice(chunk.start + q_begin, chunk.start + q_end)
             o = F.scaled_dot_product_attention(
@@ -96,6 +98,20 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
             )
             out[rows] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def _gather(key_blocks: torch.Tensor, value_blocks: torch.Tensor, index: torch.Tensor,
+            scratch: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks ``index`` of ``[kv_heads, num_blocks, block_elements]`` keys and values, into ``scratch`` if given."""
+    if scratch is None:
+        return key_blocks.index_select(1, index), value_blocks.index_select(1, index)
+    heads, _, elements = key_blocks.shape
+    size = heads * index.numel() * elements
+    k = scratch[:size].view(heads, index.numel(), elements)
+    v = scratch[size:2 * size].view(heads, index.numel(), elements)
+    torch.index_select(key_blocks, 1, index, out=k)
+    torch.index_select(value_blocks, 1, index, out=v)
+    return k, v
 
 
 def dense_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

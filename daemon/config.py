@@ -136,6 +136,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         for name in ("max_num_seqs", "max_concurrency", "max_num_batched_tokens", "queue_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} = {getattr(self, name)}: must be >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens = {self.max_num_batched_tokens}: must be >= max_num_seqs "
+                             f"({self.max_num_seqs}), each running request needs its token every step")
         if self.queue_timeout_s is not None and not self.queue_timeout_s > 0:
             raise ValueError(f"queue_timeout_s = {self.queue_timeout_s}: must be > 0 seconds")
         for name in ("client_timeout_s", "timeout_s", "drain_timeout_s", "worker_start_timeout_s",

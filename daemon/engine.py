@@ -187,6 +187,10 @@ class Engine(BaseEngine):
                             ("block_size", block_size)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if max_num_batched_tokens < max_num_seqs:
+            # Decodes go first: a budget below the batch would let the same rows take it every step.
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({max_num_seqs}): every running request needs its token each step")
 
         self._model = model
         self._tokenizer = tokenizer
@@ -520,6 +524,7 @@ class Engine(BaseEngine):
                     sampled.append(seq)
         device = self.device
         meta = build_metadata(decodes, prefills, self.block_size, device)
+        meta.scratch = self._cache.scratch(meta.max_gather_blocks)
         self._cache.slot_mapping = meta.slot_mapping
         out = self._model(
             input_ids=torch.tensor([input_ids], dtype=torch.long, device=device),

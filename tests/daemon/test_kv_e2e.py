@@ -1,0 +1,98 @@
+"""End-to-end: the paged KV cache seen through a real daemon (settings, status, metrics, limits)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ipc.client import Client, PromptTooLong
+from tests.daemon_helpers import running_daemon
+
+BLOCK_SIZE = 8
+MAX_MODEL_LEN = 256
+SHARED = list(range(10, 10 + 6 * BLOCK_SIZE))  # six full blocks
+
+
+def _worker(client: Client):
+    (worker,) = client.status().workers
+    return worker
+
+
+def _wait_report(client: Client, check, timeout_s: float = 10.0):
+    """The worker's KV figures arrive with its heartbeat: wait for one that satisfies ``check``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        worker = _worker(client)
+        if check(worker) or time.monotonic() > deadline:
+            return worker
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("kv")
+    args = ("--devices", "cpu", "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
+            "--kv-cache-bytes", str(4 * 2**20), "--max-num-batched-tokens", "64")
+    with running_daemon(tmp, *args) as d:
+        yield d
+
+
+def test_settings_reach_the_worker_and_status_shows_the_pool(daemon):
+    with Client(daemon.address) as client:
+        worker = _wait_report(client, lambda w: w.kv_blocks_total > 0)
+    # 4 MiB / (8 tokens * 2 * 4 layers * 8 heads * 32 dims * 4 bytes) = 64 blocks, one of them the null block
+    assert worker.block_size == BLOCK_SIZE
+    assert worker.kv_blocks_total == 63 and worker.kv_cache_tokens == 63 * BLOCK_SIZE
+    assert worker.max_model_len == MAX_MODEL_LEN
+    assert worker.kv_blocks_free == worker.kv_blocks_total and worker.kv_cache_usage == 0.0
+
+
+def test_a_shared_prefix_is_served_from_the_cache_with_the_same_tokens(daemon):
+    with Client(daemon.address) as client:
+        first = client.complete(prompt_token_ids=SHARED + [200], max_tokens=8, temperature=0, ignore_eos=True)
+        before = _wait_report(client, lambda w: w.prefix_cache_queries > 0)
+        again = client.complete(prompt_token_ids=SHARED + [200], max_tokens=8, temperature=0, ignore_eos=True)
+        after = _wait_report(client, lambda w: w.prefix_cache_hits >= before.prefix_cache_hits + len(SHARED))
+        metrics = client.status().metrics
+    assert again.token_ids == first.token_ids
+    assert after.prefix_cache_hits - before.prefix_cache_hits == len(SHARED)
+    assert metrics['ringstream_prefix_cache_hits_total{worker=0}'] == after.prefix_cache_hits
+    assert metrics['ringstream_kv_cache_blocks{state=total,worker=0}'] == 63
+
+
+def test_a_request_longer_than_max_model_len_is_refused_and_harms_nothing(daemon):
+    with Client(daemon.address) as client:
+        with pytest.raises(PromptTooLong):
+            client.complete(prompt_token_ids=[5] * (MAX_MODEL_LEN - 4), max_tokens=16)
+        done = client.complete(prompt_token_ids=[5, 6, 7], max_tokens=4, temperature=0, ignore_eos=True)
+    assert len(done.token_ids) == 4
+
+
+def test_more_streams_than_the_pool_holds_all_finish_whole(daemon):
+    """16 streams of 200 tokens need ~400 blocks of a 63-block pool: the worker preempts and resumes."""
+    import asyncio
+
+    from ipc.client import AsyncClient
+
+    async def main():
+        async with AsyncClient(daemon.address) as client:
+            return await asyncio.gather(*(
+                client.complete(prompt_token_ids=[20 + i, 21, 22, 23], max_tokens=180, temperature=0,
+                                ignore_eos=True)
+                for i in range(16)
+            ))
+
+    with Client(daemon.address) as client:
+        preempted_before = _worker(client).preemptions_kv_cache
+    results = asyncio.run(main())
+    assert all(r.finish_reason == "length" and len(r.token_ids) == 180 for r in results)
+    with Client(daemon.address) as client:
+        worker = _wait_report(client, lambda w: w.preemptions_kv_cache > preempted_before
+                              and w.kv_blocks_free == w.kv_blocks_total)
+        alone = client.complete(prompt_token_ids=[20, 21, 22, 23], max_tokens=180, temperature=0, ignore_eos=True)
+        metrics = client.status().metrics
+    assert worker.preemptions_kv_cache > preempted_before
+    assert worker.kv_blocks_free == worker.kv_blocks_total  # no leaked block
+    assert alone.token_ids == results[0].token_ids  # preempted and resumed: the same greedy tokens
+    assert metrics["ringstream_preemptions_total{cause=kv_cache}"] >= worker.preemptions_kv_cache
