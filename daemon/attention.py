@@ -60,6 +60,7 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     """
     if paged is None:
         return dense_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    _refuse_unsupported(paged, kwargs)
     _, heads, num_tokens, head_dim = query.shape
     kv_heads = key.shape[0]
     if scaling is None:
@@ -98,6 +99,23 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
             )
             out[rows] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def _refuse_unsupported(paged: AttentionMetadata, kwargs: dict) -> None:
+    """Raise rather than compute a different attention than the model's (a wrong token is worse than an error).
+
+    Raises:
+        NotImplementedError: the layer asks for logit softcapping or attention
+            sinks, or a sliding window that some sequence of the step outgrows.
+    """
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("attention logit softcapping is not supported by the paged attention")
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise NotImplementedError("attention sinks are not supported by the paged attention")
+    window = kwargs.get("sliding_window")
+    if window is not None and paged.max_context > window:
+        raise NotImplementedError(f"sliding-window attention (window {window}) over a longer context "
+                                  f"({paged.max_context} tokens) is not supported by the paged attention")
 
 
 def _gather(key_blocks: torch.Tensor, value_blocks: torch.Tensor, index: torch.Tensor,

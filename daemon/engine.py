@@ -223,6 +223,9 @@ class Engine(BaseEngine):
                 f"cannot hold one sequence of max_model_len={max_model_len} tokens; the largest that fits is "
                 f"{max(largest, 0)} (lower max_model_len, or give the KV cache more memory)"
             )
+        problem = unsupported_feature(config, max_model_len)
+        if problem is not None:
+            raise ValueError(f"{type(model).__name__} cannot be served exactly: {problem}")
         use_paged_attention(model)
         forward_params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
@@ -617,6 +620,56 @@ class Engine(BaseEngine):
         outputs.append(TokenOutput(seq.handle, num_output - 1, token_id, text, finish_reason, stop_reason,
                                    seq.num_prompt_tokens, num_output))
         self._release(seq)
+
+
+FULL_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def _rope_types(value) -> list[str]:
+    """Every ``rope_type`` in a config's ``rope_parameters`` / ``rope_scaling`` (nested per layer type or not)."""
+    if not isinstance(value, dict):
+        return []
+    found = [value["rope_type"]] if isinstance(value.get("rope_type"), str) else []
+    found += [value["type"]] if isinstance(value.get("type"), str) else []
+    for inner in value.values():
+        found += _rope_types(inner)
+    return found
+
+
+def unsupported_feature(config, max_model_len: int) -> str | None:
+    """What in ``config`` the engine would compute differently from the model, or None.
+
+    Checked at start, so that such a model is refused with the feature named
+    instead of serving different tokens: attention windows smaller than
+    ``max_model_len`` (``sliding_window``, ``attention_chunk_size``), logit
+    softcapping in attention, attention sinks, key/value heads of different
+    sizes (MLA), non-attention layers (state-space, linear attention), and
+    RoPE variants whose factors depend on the sequence length.
+    """
+    layer_types = getattr(config, "layer_types", None) or ()
+    others = sorted({t for t in layer_types if t not in FULL_ATTENTION_LAYER_TYPES})
+    if others:
+        return f"layers of type {', '.join(others)} (only attention layers are supported)"
+    window = getattr(config, "sliding_window", None)
+    uses_window = "sliding_attention" in layer_types or getattr(config, "use_sliding_window", True)
+    if window and uses_window and window < max_model_len:
+        return (f"sliding-window attention (sliding_window={window}) is not supported yet; "
+                f"serve it with max_model_len <= {window}")
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk and chunk < max_model_len:
+        return f"chunked attention (attention_chunk_size={chunk}); serve it with max_model_len <= {chunk}"
+    if getattr(config, "attn_logit_softcapping", None):
+        return "attention logit softcapping (attn_logit_softcapping)"
+    if getattr(config, "model_type", "") == "gpt_oss":
+        return "attention sinks"
+    if getattr(config, "kv_lora_rank", None):
+        return "multi-head latent attention (kv_lora_rank: key and value head dims differ)"
+    rope = _rope_types(getattr(config, "rope_parameters", None)) + _rope_types(getattr(config, "rope_scaling", None))
+    dynamic = sorted({t for t in rope if t in LENGTH_DEPENDENT_ROPE})
+    if dynamic:
+        return f"RoPE scaling whose factors depend on the sequence length ({', '.join(dynamic)})"
+    return None
 
 
 def _model_eos_token_ids(model, config) -> tuple[int, ...]:

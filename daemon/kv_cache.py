@@ -92,6 +92,8 @@ class AttentionMetadata:
     prefill_chunks: list[PrefillChunk]
     num_tokens: int
     block_size: int
+    max_context: int = 0
+    """Longest context (positions attended) of any sequence in the step."""
     scratch: torch.Tensor | None = None
     """Reused by every layer for the gathered keys and values (set by the engine from
     :meth:`PagedKVCache.scratch`); None: the attention allocates its own."""
@@ -239,4 +241,5 @@ def build_metadata(
             chunk.splits.append((q_begin, q_end, kv_end, mask))
         chunks.append(chunk)
         row += num_query
-    return AttentionMetadata(torch.tensor(slots, **long), groups, chunks, row, block_size)
+    max_context = max([pos + 1 for _, pos in decodes] + [start + n for _, start, n in prefills])
+    return AttentionMetadata(torch.tensor(slots, **long), groups, chunks, row, block_size, max_context)

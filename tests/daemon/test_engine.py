@@ -27,7 +27,7 @@ from daemon.engine import (
     SamplingParams,
     TokenOutput,
 )
-from tests.factories import load_model, load_tokenizer, make_tiny_model_dir
+from tests.factories import TINY_VOCAB_SIZE, load_model, load_tokenizer, make_tiny_model_dir
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "daemon" / "default_model"
 
@@ -940,3 +940,43 @@ def test_randomized_churn_keeps_outputs_exact(tiny, pool):
     assert engine.num_free_blocks == engine.num_blocks
     if pool:
         assert engine.num_preemptions > 0 and engine.prefix_hits > 0
+
+
+def _tiny(config_class, **fields):
+    from transformers import AutoModelForCausalLM
+
+    base = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config_class(**{**base, **fields})).eval()
+
+
+@pytest.mark.parametrize("make, max_model_len, feature", [
+    (lambda: _tiny(__import__("transformers").MistralConfig, sliding_window=32), None, "sliding_window=32"),
+    (lambda: _tiny(__import__("transformers").Gemma2Config, head_dim=8, sliding_window=16), 16, "softcapping"),
+    (lambda: _tiny(__import__("transformers").LlamaConfig, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                            "rope_theta": 10000.0}),
+     None, "dynamic"),
+])
+def test_models_it_cannot_serve_exactly_are_refused_at_start_naming_the_feature(tiny, make, max_model_len, feature):
+    model = make()
+    with pytest.raises(ValueError, match=feature):
+        Engine(model, tiny.tokenizer, max_num_seqs=2, max_model_len=max_model_len, num_blocks=64)
+
+
+def test_a_sliding_window_no_sequence_can_outgrow_is_served(tiny):
+    from transformers import MistralConfig
+
+    model = _tiny(MistralConfig, sliding_window=32)
+    engine = Engine(model, tiny.tokenizer, max_num_seqs=2, max_model_len=32, num_blocks=64)
+    engine.warmup()
+    prompt = list(range(5, 20))
+    request = EngineRequest(0, prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    engine.add(request)
+    while engine.has_unfinished():
+        engine.step()
+    with torch.inference_mode():
+        model.set_attn_implementation("sdpa")
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    assert request.output_token_ids == ref[0, len(prompt):].tolist()
