@@ -206,22 +206,13 @@ class Worker:
 
     def start(self) -> None:
         """Load the model, build and warm the engine, attach the ring, report ready."""
-        from daemon.engine import Engine
         from daemon.model import load_model, load_tokenizer, resolve_model_dir
 
         spec = self.spec
         try:
-            import torch
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.disable_progress_bar()
             self.fault = FaultInjector.from_env(spec.index)
-            if spec.device == "cpu":
-                torch.set_num_threads(spec.threads)
-            elif not torch.cuda.is_available() or int(spec.device.split(":")[1]) >= torch.cuda.device_count():
-                raise RuntimeError(f"device {spec.device} is not available on this host")
             info = resolve_model_dir(spec.model_path)
-            if spec.engine == "synthetic":
+            if spec.engine == "synthetic":  # no torch: the synthetic engine starts in a fraction of a second
                 from daemon.synthetic import SyntheticEngine
 
                 self.engine = SyntheticEngine(
@@ -229,6 +220,16 @@ class Worker:
                     step_time_s=spec.synthetic_step_s, vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
                 )
             else:
+                import torch
+                from transformers.utils import logging as hf_logging
+
+                from daemon.engine import Engine
+
+                hf_logging.disable_progress_bar()
+                if spec.device == "cpu":
+                    torch.set_num_threads(spec.threads)
+                elif not torch.cuda.is_available() or int(spec.device.split(":")[1]) >= torch.cuda.device_count():
+                    raise RuntimeError(f"device {spec.device} is not available on this host")
                 model = load_model(info, device=spec.device, dtype=spec.dtype)
                 self.engine = Engine(
                     model,

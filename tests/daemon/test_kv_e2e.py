@@ -12,6 +12,7 @@ from tests.daemon_helpers import running_daemon
 BLOCK_SIZE = 8
 MAX_MODEL_LEN = 256
 SHARED = list(range(10, 10 + 6 * BLOCK_SIZE))  # six full blocks
+STREAM_TOKENS = 100
 
 
 def _worker(client: Client):
@@ -70,7 +71,7 @@ def test_a_request_longer_than_max_model_len_is_refused_and_harms_nothing(daemon
 
 
 def test_more_streams_than_the_pool_holds_all_finish_whole(daemon):
-    """16 streams of 200 tokens need ~400 blocks of a 63-block pool: the worker preempts and resumes."""
+    """8 streams of 104 tokens need 104 blocks of a 63-block pool: the worker preempts and resumes."""
     import asyncio
 
     from ipc.client import AsyncClient
@@ -78,19 +79,20 @@ def test_more_streams_than_the_pool_holds_all_finish_whole(daemon):
     async def main():
         async with AsyncClient(daemon.address) as client:
             return await asyncio.gather(*(
-                client.complete(prompt_token_ids=[20 + i, 21, 22, 23], max_tokens=180, temperature=0,
+                client.complete(prompt_token_ids=[20 + i, 21, 22, 23], max_tokens=STREAM_TOKENS, temperature=0,
                                 ignore_eos=True)
-                for i in range(16)
+                for i in range(8)
             ))
 
     with Client(daemon.address) as client:
         preempted_before = _worker(client).preemptions_kv_cache
     results = asyncio.run(main())
-    assert all(r.finish_reason == "length" and len(r.token_ids) == 180 for r in results)
+    assert [(r.finish_reason, len(r.token_ids)) for r in results] == [("length", STREAM_TOKENS)] * 8
     with Client(daemon.address) as client:
         worker = _wait_report(client, lambda w: w.preemptions_kv_cache > preempted_before
                               and w.kv_blocks_free == w.kv_blocks_total)
-        alone = client.complete(prompt_token_ids=[20, 21, 22, 23], max_tokens=180, temperature=0, ignore_eos=True)
+        alone = client.complete(prompt_token_ids=[20, 21, 22, 23], max_tokens=STREAM_TOKENS, temperature=0,
+                                ignore_eos=True)
         metrics = client.status().metrics
     assert worker.preemptions_kv_cache > preempted_before
     assert worker.kv_blocks_free == worker.kv_blocks_total  # no leaked block
