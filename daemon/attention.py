@@ -19,6 +19,12 @@ the engine switches its model to it. Each layer's call reads the step's
   over the context before it. A chunk that starts its sequence uses
   ``is_causal`` and builds no mask at all.
 
+Per layer, what the model passes is honoured: ``sliding_window`` (a query
+reads the last ``sliding_window`` positions, itself included, as
+transformers' ``sliding_window_causal_mask``), ``softcap`` (Gemma 2's logit
+softcapping) and ``s_aux`` (GPT-OSS's attention sinks); the last two go to
+:func:`eager_attention`, as SDPA has neither.
+
 CPU has no paged kernel in PyTorch; the gather copies each row's context once
 per layer, which costs about what the attention reads. On CUDA the same
 metadata serves torch's varlen FlashAttention with a block table.
@@ -33,7 +39,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from daemon.kv_cache import AttentionMetadata
 
-__all__ = ["PAGED_ATTENTION", "dense_attention", "paged_attention", "use_paged_attention"]
+__all__ = ["PAGED_ATTENTION", "dense_attention", "eager_attention", "paged_attention", "use_paged_attention"]
 
 PAGED_ATTENTION = "ringstream_paged"
 """Name under which :func:`paged_attention` is registered with transformers' ``AttentionInterface``."""
@@ -60,11 +66,16 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     """
     if paged is None:
         return dense_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    _refuse_unsupported(paged, kwargs)
     _, heads, num_tokens, head_dim = query.shape
     kv_heads = key.shape[0]
     if scaling is None:
         scaling = head_dim ** -0.5
+    window = kwargs.get("sliding_window")
+    if window is not None and window >= paged.max_context:
+        window = None  # no sequence of the step reaches past the window: full attention is the same
+    softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux")
+    eager = softcap is not None or sinks is not None
     block_size = paged.block_size
     key_blocks = key.view(kv_heads, -1, block_size * head_dim)
     value_blocks = value.view(kv_heads, -1, block_size * head_dim)
@@ -81,41 +92,67 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         k = k.view(kv_heads, g, length, head_dim).transpose(0, 1)
         v = v.view(kv_heads, g, length, head_dim).transpose(0, 1)
         qg = q.index_select(0, rows)  # [g, heads, head_dim]
-        if reduced:
-            out[rows] = _decode_matmul(qg, k, v, group.kv_valid, scaling)
+        valid = group.valid(window)
+        if eager:
+            out[rows] = eager_attention(qg.unsqueeze(2), k, v, valid, scaling, softcap, sinks).squeeze(2)
+        elif reduced:
+            out[rows] = _decode_matmul(qg, k, v, valid, scaling)
         else:
-            o = F.scaled_dot_product_attention(qg.unsqueeze(2), k, v, attn_mask=group.kv_valid, scale=scaling,
+            o = F.scaled_dot_product_attention(qg.unsqueeze(2), k, v, attn_mask=valid, scale=scaling,
                                                enable_gqa=gqa)
             out[rows] = o.squeeze(2)
     for chunk in paged.prefill_chunks:
         k_all, v_all = _gather(key_blocks, value_blocks, chunk.block_index, paged.scratch)
         k_all = k_all.view(1, kv_heads, -1, head_dim)
         v_all = v_all.view(1, kv_heads, -1, head_dim)
-        for q_begin, q_end, kv_end, mask in chunk.splits:
+        for split, (q_begin, q_end, kv_end, _) in enumerate(chunk.splits):
             rows = slice(chunk.start + q_begin, chunk.start + q_end)
-            o = F.scaled_dot_product_attention(
-                query[:, :, rows], k_all[:, :, :kv_end], v_all[:, :, :kv_end], attn_mask=mask,
-                is_causal=mask is None, scale=scaling, enable_gqa=gqa,
-            )
+            mask = chunk.mask(split, window)
+            qc, kc, vc = query[:, :, rows], k_all[:, :, :kv_end], v_all[:, :, :kv_end]
+            if eager:
+                if mask is None:
+                    mask = torch.ones(q_end - q_begin, kv_end, dtype=torch.bool, device=query.device).tril_()
+                o = eager_attention(qc, kc, vc, mask, scaling, softcap, sinks)
+            else:
+                o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, is_causal=mask is None, scale=scaling,
+                                                   enable_gqa=gqa)
             out[rows] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
 
 
-def _refuse_unsupported(paged: AttentionMetadata, kwargs: dict) -> None:
-    """Raise rather than compute a different attention than the model's (a wrong token is worse than an error).
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scaling: float,
+                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention written out, for what SDPA cannot do: logit softcapping and attention sinks.
 
-    Raises:
-        NotImplementedError: the layer asks for logit softcapping or attention
-            sinks, or a sliding window that some sequence of the step outgrows.
+    Args:
+        q: ``[b, heads, q, D]``; k, v: ``[b, kv_heads, T, D]`` (query head ``i``
+            reads kv head ``i // (heads / kv_heads)``).
+        valid: bool, broadcastable to ``[b, heads, q, T]``, True where a key may be read.
+        scaling: score scale.
+        softcap: scores become ``softcap * tanh(scores / softcap)`` before masking
+            (Gemma 2, as transformers' ``eager_attention_forward`` of that model).
+        sinks: ``[heads]`` logits of a per-head sink that takes probability mass
+            and gives no value (GPT-OSS, as its eager attention).
+
+    Returns:
+        ``[b, heads, q, D]`` in ``v``'s dtype; scores and softmax in float32.
     """
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError("attention logit softcapping is not supported by the paged attention")
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        raise NotImplementedError("attention sinks are not supported by the paged attention")
-    window = kwargs.get("sliding_window")
-    if window is not None and paged.max_context > window:
-        raise NotImplementedError(f"sliding-window attention (window {window}) over a longer context "
-                                  f"({paged.max_context} tokens) is not supported by the paged attention")
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads != kv_heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~valid, float("-inf"))
+    if sinks is None:
+        probs = scores.softmax(dim=-1)
+    else:
+        sink = sinks.float().view(1, heads, 1, 1).expand(scores.shape[0], heads, scores.shape[2], 1)
+        logits = torch.cat([scores, sink], dim=-1)
+        logits = logits - logits.amax(dim=-1, keepdim=True)
+        probs = logits.softmax(dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 def _gather(key_blocks: torch.Tensor, value_blocks: torch.Tensor, index: torch.Tensor,

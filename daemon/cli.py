@@ -256,7 +256,7 @@ def _status(args: argparse.Namespace) -> int:
               f"{w.running}/{min(w.max_num_seqs, reply.max_concurrency)} running, KV cache {w.kv_cache_usage:.0%} "
               f"({w.kv_blocks_total - w.kv_blocks_free}/{w.kv_blocks_total} blocks of {w.block_size}), "
               f"prefix hits {w.prefix_cache_hits}/{w.prefix_cache_queries} tokens, "
-              f"{w.preemptions_kv_cache} KV preemptions, ring {w.ring_fill:.0%}, served {w.requests_served}")
+              f"preemptions {w.preemptions_kv_cache} KV / {w.preemptions_priority} priority, ring {w.ring_fill:.0%}, served {w.requests_served}")
     return 0
 
 

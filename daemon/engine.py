@@ -216,12 +216,14 @@ class Engine(BaseEngine):
                 num_blocks = min(most, kv_cache_bytes // block_bytes)
             else:
                 num_blocks = kv_cache_bytes // block_bytes
-        largest = (num_blocks - 1) * block_size
+        largest = max(num_blocks - 1, 0) * block_size
         if largest < max_model_len:
+            needed = (-(-max_model_len // block_size) + 1) * block_bytes
             raise ValueError(
-                f"the KV cache ({max(num_blocks, 0)} blocks of {block_size} tokens, {block_bytes} bytes each) "
-                f"cannot hold one sequence of max_model_len={max_model_len} tokens; the largest that fits is "
-                f"{max(largest, 0)} (lower max_model_len, or give the KV cache more memory)"
+                f"the KV cache ({max(num_blocks - 1, 0)} usable blocks of {block_size} tokens, {block_bytes} bytes "
+                f"each, plus the null block) cannot hold one sequence of max_model_len={max_model_len} tokens; the "
+                f"largest that fits is {largest}: lower max_model_len, or give the KV cache at least {needed} bytes "
+                f"(kv_cache_bytes, or more memory_utilization)"
             )
         problem = unsupported_feature(config, max_model_len)
         if problem is not None:
@@ -246,6 +248,7 @@ class Engine(BaseEngine):
         self._next_start = 0
         self._num_random = 0
         self.num_preemptions = 0
+        self._warmup_failure = ""
 
     # ------------------------------------------------------------ figures
 
@@ -358,8 +361,10 @@ class Engine(BaseEngine):
         while self.has_unfinished():
             produced += len(self.step())
         self._blocks.reset_prefix_cache()
+        self._blocks.prefix_queries = self._blocks.prefix_hits = 0
         if produced != _WARMUP_MAX_TOKENS:
-            raise EngineError("the warmup request failed (see the log)")
+            raise EngineError(f"{type(self._model).__name__} failed its warmup request ({self._warmup_failure}); "
+                              "its layers do not work with the engine's cache and attention")
 
     # ------------------------------------------------------------ requests
 
@@ -562,8 +567,11 @@ class Engine(BaseEngine):
         log.error("request %s failed in a step: %s: %s", seq.handle, type(exc).__name__, exc, exc_info=exc)
         handle = seq.handle
         self._release(seq)
-        if handle is not None:
-            outputs.append(RequestError(handle, f"engine step failed: {type(exc).__name__}: {exc}"))
+        message = f"engine step failed: {type(exc).__name__}: {exc}"
+        if handle is None:
+            self._warmup_failure = message
+        else:
+            outputs.append(RequestError(handle, message))
 
     def _sampling_tensors(self, batch: list[_Sequence]) -> SamplingTensors:
         device = self.device
@@ -641,28 +649,20 @@ def unsupported_feature(config, max_model_len: int) -> str | None:
     """What in ``config`` the engine would compute differently from the model, or None.
 
     Checked at start, so that such a model is refused with the feature named
-    instead of serving different tokens: attention windows smaller than
-    ``max_model_len`` (``sliding_window``, ``attention_chunk_size``), logit
-    softcapping in attention, attention sinks, key/value heads of different
-    sizes (MLA), non-attention layers (state-space, linear attention), and
-    RoPE variants whose factors depend on the sequence length.
+    instead of serving different tokens: chunked attention with chunks
+    smaller than ``max_model_len`` (``attention_chunk_size``), key/value heads
+    of different sizes (MLA), non-attention layers (state-space, linear
+    attention), and RoPE variants whose factors depend on the sequence length.
+    Sliding windows, logit softcapping and attention sinks are served
+    (:func:`daemon.attention.paged_attention`).
     """
     layer_types = getattr(config, "layer_types", None) or ()
     others = sorted({t for t in layer_types if t not in FULL_ATTENTION_LAYER_TYPES})
     if others:
         return f"layers of type {', '.join(others)} (only attention layers are supported)"
-    window = getattr(config, "sliding_window", None)
-    uses_window = "sliding_attention" in layer_types or getattr(config, "use_sliding_window", True)
-    if window and uses_window and window < max_model_len:
-        return (f"sliding-window attention (sliding_window={window}) is not supported yet; "
-                f"serve it with max_model_len <= {window}")
     chunk = getattr(config, "attention_chunk_size", None)
     if chunk and chunk < max_model_len:
         return f"chunked attention (attention_chunk_size={chunk}); serve it with max_model_len <= {chunk}"
-    if getattr(config, "attn_logit_softcapping", None):
-        return "attention logit softcapping (attn_logit_softcapping)"
-    if getattr(config, "model_type", "") == "gpt_oss":
-        return "attention sinks"
     if getattr(config, "kv_lora_rank", None):
         return "multi-head latent attention (kv_lora_rank: key and value head dims differ)"
     rope = _rope_types(getattr(config, "rope_parameters", None)) + _rope_types(getattr(config, "rope_scaling", None))

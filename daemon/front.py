@@ -472,7 +472,7 @@ class Front:
         load = self.worker_loads[beat.worker]
         label = str(beat.worker)
         m = self.metrics
-        for name, counter in (("preemptions", m.preemptions.labels("kv_cache")),
+        for name, counter in (("preemptions", m.preemptions.labels(label, "kv_cache")),
                               ("prefix_cache_queries", m.prefix_cache_queries.labels(label)),
                               ("prefix_cache_hits", m.prefix_cache_hits.labels(label))):
             value, last = getattr(beat, name), getattr(load, name)
@@ -840,7 +840,8 @@ class Front:
             victim, index = preempted
             victim.preempted_from = index
             self.counters["preemptions_total"] += 1
-            self.metrics.preemptions.labels("priority").inc()
+            self.metrics.preemptions.labels(str(index), "priority").inc()
+            self.scheduler.workers[index].preemptions += 1
             log.info("request %s (priority %d) preempted on worker %d after %d tokens",
                      victim.id, victim.priority, index, len(victim.output_token_ids))
             self.workers[index].send(P.Abort(handle=victim.handle))
@@ -1139,6 +1140,7 @@ class Front:
                 kv_cache_tokens_used=b.kv_tokens_used, ring_fill=w.ring.fill(), requests_served=b.served,
                 block_size=b.block_size, kv_blocks_total=load.kv_blocks_total, kv_blocks_free=load.kv_blocks_free,
                 kv_cache_usage=kv_cache_usage(load), preemptions_kv_cache=load.preemptions,
+                preemptions_priority=b.preemptions,
                 prefix_cache_queries=load.prefix_cache_queries, prefix_cache_hits=load.prefix_cache_hits,
             )
             for w, b, load in zip(self.workers, self.scheduler.workers, self.worker_loads)

@@ -62,6 +62,22 @@ class DecodeGroup:
     rows: torch.Tensor
     block_index: torch.Tensor
     kv_valid: torch.Tensor
+    lengths: torch.Tensor | None = None
+    """``[g]`` int64 context length of each row (its query sits at ``length - 1``)."""
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)
+    """``kv_valid`` restricted to the last ``w`` positions, per sliding window ``w`` (built on first use)."""
+
+    def valid(self, window: int | None) -> torch.Tensor:
+        """The validity mask, restricted to each row's last ``window`` positions when given."""
+        if window is None:
+            return self.kv_valid
+        mask = self.windowed.get(window)
+        if mask is None:
+            length = self.kv_valid.shape[-1]
+            first = (self.lengths - window).view(-1, 1, 1, 1)
+            arange = torch.arange(length, device=self.kv_valid.device).view(1, 1, 1, length)
+            mask = self.windowed[window] = self.kv_valid & (arange >= first)
+        return mask
 
 
 @dataclass(slots=True)
@@ -81,6 +97,26 @@ class PrefillChunk:
     num_query: int
     block_index: torch.Tensor
     splits: list[tuple[int, int, int, torch.Tensor | None]] = field(default_factory=list)
+    context_start: int = 0
+    """Position of the chunk's first query (the tokens before it are cached context)."""
+    windowed: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, split: int, window: int | None) -> torch.Tensor | None:
+        """Mask of split ``split``: causal, and within ``window`` positions of each query when given.
+
+        None means plain causal alignment (``is_causal``).
+        """
+        q_begin, q_end, kv_end, mask = self.splits[split]
+        if window is None:
+            return mask
+        cached = self.windowed.get((split, window))
+        if cached is None:
+            device = self.block_index.device
+            query_pos = torch.arange(self.context_start + q_begin, self.context_start + q_end,
+                                     device=device).unsqueeze(1)
+            key_pos = torch.arange(kv_end, device=device).unsqueeze(0)
+            cached = self.windowed[(split, window)] = (key_pos <= query_pos) & (key_pos > query_pos - window)
+        return cached
 
 
 @dataclass(slots=True)
@@ -216,7 +252,7 @@ def build_metadata(
             lengths = torch.tensor([decodes[i][1] + 1 for i in members], **long)
             valid = torch.arange(width * block_size, **long).unsqueeze(0) < lengths.unsqueeze(1)
             groups.append(DecodeGroup(torch.tensor(members, **long), torch.tensor(blocks, **long),
-                                      valid.view(len(members), 1, 1, width * block_size)))
+                                      valid.view(len(members), 1, 1, width * block_size), lengths))
             begin = end
     chunks: list[PrefillChunk] = []
     row = len(decodes)
@@ -228,7 +264,7 @@ def build_metadata(
         slot_part = block_index[torch.div(positions, block_size, rounding_mode="floor")] * block_size
         slot_part += positions % block_size
         slots += slot_part.tolist()
-        chunk = PrefillChunk(row, num_query, block_index)
+        chunk = PrefillChunk(row, num_query, block_index, context_start=start)
         step = max(1, MAX_MASK_ELEMENTS // kv_len)
         for q_begin in range(0, num_query, step):
             q_end = min(num_query, q_begin + step)

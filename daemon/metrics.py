@@ -55,7 +55,7 @@ class Metrics:
         self.preemptions = Counter("ringstream_preemptions",
                                    "Running requests preempted and resumed later, by cause: priority (a more "
                                    "urgent request waited) or kv_cache (the worker's KV blocks ran out)",
-                                   ["cause"], registry=r)
+                                   ["worker", "cause"], registry=r)
         self.dropped = Counter("ringstream_dropped_messages", "Messages dropped or refused, by reason",
                                ["reason"], registry=r)
         self._server = None

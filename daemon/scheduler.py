@@ -97,6 +97,8 @@ class WorkerBudget:
     kv_tokens_used: int = 0
     ready: bool = False
     served: int = 0
+    preemptions: int = 0
+    """Requests preempted here for more urgent ones (counter)."""
     prefix_index: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
     """Keys of the prompt blocks recently placed here, oldest first (see Placement)."""
 

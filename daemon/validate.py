@@ -82,6 +82,6 @@ class Validator:
         if len(ids) + msg.max_tokens > limit:
             raise RequestRejected(
                 P.ErrorCode.PROMPT_TOO_LONG,
-                f"prompt ({len(ids)} tokens) + max_tokens ({msg.max_tokens}) exceeds the context of {limit} tokens",
+                f"prompt ({len(ids)} tokens) + max_tokens ({msg.max_tokens}) exceeds max_model_len = {limit} tokens",
             )
         return ids

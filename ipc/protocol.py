@@ -223,8 +223,11 @@ class WorkerStatus(Struct, **_WIRE):
     kv_cache_usage: float = 0.0
     """Blocks held by requests / blocks in the pool (0..1), as the worker last reported."""
     preemptions_kv_cache: int = 0
+    """Requests the worker preempted because its KV blocks ran out (since it started)."""
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    preemptions_priority: int = 0
+    """Requests preempted on this worker for more urgent ones (since the daemon started)."""
 
 
 class StatusReply(Struct, tag="status_reply", **_WIRE):

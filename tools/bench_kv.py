@@ -215,6 +215,22 @@ def run(quick: bool, budget: int) -> dict:
     return report
 
 
+def _met(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def targets(report: dict) -> dict[str, bool]:
+    """Each target of the workloads: met or not."""
+    a, b, c, d = (report[k] for k in ("a_capacity", "b_prefix_caching", "c_chunked_prefill", "d_decode_attention"))
+    return {
+        "a: >= 10x sequences": a["ratio"] >= 10,
+        "b: TTFT P50 >= 5x lower, same tokens": b["ratio"] >= 5 and b["identical_greedy_output"],
+        "c: worst ITL >= 8x smaller": c["itl_ratio"] >= 8,
+        "c: long TTFT <= 1.5x": c["ttft_ratio"] <= 1.5,
+        "d: one long row costs < half of all long": d["time_ratio"] < 0.5,
+    }
+
+
 def print_report(report: dict) -> None:
     a, b, c, d = (report[k] for k in ("a_capacity", "b_prefix_caching", "c_chunked_prefill", "d_decode_attention"))
     print(f"model: {report['model']}; torch threads {report['torch_threads']}")
@@ -232,6 +248,8 @@ def print_report(report: dict) -> None:
           f"{d['step_s_one_long'] * 1e3:.1f} ms, all long {d['step_s_all_long'] * 1e3:.1f} ms; extra time of one "
           f"long row / sixteen: {d['time_ratio']:.3f} (tokens attended: {d['tokens_attended_ratio']:.3f}; "
           f"padding to the longest row: ~1)")
+    print("targets: " + "; ".join(f"{name} {_met(ok)}" for name, ok in targets(report).items())
+          + " (timings: quote a quiet host; --threads 1 leaves a core to the rest)")
 
 
 def add_parser(sub) -> None:
@@ -247,6 +265,7 @@ def command(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     report = run(args.quick, args.budget)
+    report["targets_met"] = targets(report)
     print_report(report)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -951,32 +951,12 @@ def _tiny(config_class, **fields):
     return AutoModelForCausalLM.from_config(config_class(**{**base, **fields})).eval()
 
 
-@pytest.mark.parametrize("make, max_model_len, feature", [
-    (lambda: _tiny(__import__("transformers").MistralConfig, sliding_window=32), None, "sliding_window=32"),
-    (lambda: _tiny(__import__("transformers").Gemma2Config, head_dim=8, sliding_window=16), 16, "softcapping"),
+@pytest.mark.parametrize("make, feature", [
+    (lambda: _tiny(__import__("transformers").LlamaConfig, attention_chunk_size=16), "attention_chunk_size=16"),
     (lambda: _tiny(__import__("transformers").LlamaConfig, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
-                                                                            "rope_theta": 10000.0}),
-     None, "dynamic"),
+                                                                            "rope_theta": 10000.0}), "dynamic"),
 ])
-def test_models_it_cannot_serve_exactly_are_refused_at_start_naming_the_feature(tiny, make, max_model_len, feature):
+def test_models_it_cannot_serve_exactly_are_refused_at_start_naming_the_feature(tiny, make, feature):
     model = make()
     with pytest.raises(ValueError, match=feature):
-        Engine(model, tiny.tokenizer, max_num_seqs=2, max_model_len=max_model_len, num_blocks=64)
-
-
-def test_a_sliding_window_no_sequence_can_outgrow_is_served(tiny):
-    from transformers import MistralConfig
-
-    model = _tiny(MistralConfig, sliding_window=32)
-    engine = Engine(model, tiny.tokenizer, max_num_seqs=2, max_model_len=32, num_blocks=64)
-    engine.warmup()
-    prompt = list(range(5, 20))
-    request = EngineRequest(0, prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
-    engine.add(request)
-    while engine.has_unfinished():
-        engine.step()
-    with torch.inference_mode():
-        model.set_attn_implementation("sdpa")
-        ref = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
-    assert request.output_token_ids == ref[0, len(prompt):].tolist()
+        Engine(model, tiny.tokenizer, max_num_seqs=2, num_blocks=64)

@@ -1,0 +1,130 @@
+"""Model zoo: every architecture is served with generate()'s tokens, or refused at start with the feature named.
+
+Each case is a tiny random-weight model made from its transformers config
+class (no download), served by the engine in float32 with prompts longer
+than the sliding window (12 positions), staggered arrivals, chunked prefill
+(a 16-token step budget over 4-token blocks) and prefix-cache hits (the last
+prompt repeats the first one's head). Its greedy tokens must equal
+``generate()`` on each prompt alone; a token that differs without a refusal
+fails the test. To check a new family, add its config here.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers as T
+
+from daemon.engine import Engine, EngineError, EngineRequest, SamplingParams
+from tests.factories import TINY_VOCAB_SIZE, make_tokenizer
+
+WINDOW = 12
+NEW_TOKENS = 16
+BASE = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+            pad_token_id=0, bos_token_id=0, eos_token_id=1)
+MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+
+# name: (config class, its fields over BASE, attention implementation of the generate() reference)
+EXACT = {
+    "llama": (T.LlamaConfig, {}, "sdpa"),
+    "mistral (sliding window)": (T.MistralConfig, dict(sliding_window=WINDOW), "sdpa"),
+    "qwen2 (sliding window on upper layers)": (T.Qwen2Config, dict(use_sliding_window=True, sliding_window=WINDOW,
+                                                                   max_window_layers=2), "sdpa"),
+    "qwen3": (T.Qwen3Config, {}, "sdpa"),
+    "gemma": (T.GemmaConfig, {}, "sdpa"),
+    "gemma2 (softcapping, sliding window)": (T.Gemma2Config, dict(sliding_window=WINDOW, query_pre_attn_scalar=8),
+                                             "eager"),
+    "gemma3 (sliding/global layers)": (T.Gemma3TextConfig, dict(sliding_window=WINDOW, query_pre_attn_scalar=8),
+                                       "sdpa"),
+    "phi": (T.PhiConfig, dict(num_key_value_heads=4), "sdpa"),
+    "phi3": (T.Phi3Config, {}, "sdpa"),
+    "gpt_neox": (T.GPTNeoXConfig, dict(num_key_value_heads=4), "sdpa"),
+    "gpt2": (T.GPT2Config, dict(n_embd=32, n_layer=2, n_head=4, n_positions=256, num_key_value_heads=None,
+                                head_dim=None), "sdpa"),
+    "mixtral": (T.MixtralConfig, MOE, "sdpa"),
+    "qwen2_moe": (T.Qwen2MoeConfig, dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=32), "sdpa"),
+    "olmo2": (T.Olmo2Config, {}, "sdpa"),
+    "granite": (T.GraniteConfig, {}, "sdpa"),
+    "starcoder2 (sliding window)": (T.Starcoder2Config, dict(sliding_window=WINDOW), "sdpa"),
+    "cohere": (T.CohereConfig, {}, "sdpa"),
+    "gpt_oss (attention sinks, sliding window, MoE)": (T.GptOssConfig, dict(sliding_window=WINDOW, **MOE), "eager"),
+}
+
+# name: (config class, its fields over BASE, what the start error must name)
+REFUSED = {
+    "llama with dynamic RoPE": (T.LlamaConfig, dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                     "rope_theta": 10000.0}), "dynamic"),
+    "llama4-style chunked attention": (T.LlamaConfig, dict(attention_chunk_size=WINDOW), "chunked attention"),
+    "mamba (state-space layers)": (T.MambaConfig, dict(num_hidden_layers=2), "linear_attention"),
+    "opt (its own cache protocol)": (T.OPTConfig, dict(ffn_dim=64, word_embed_proj_dim=32), "get_seq_length"),
+    "bloom (ALiBi, its own cache protocol)": (T.BloomConfig, dict(n_layer=2, n_head=4), "get_seq_length"),
+}
+
+
+def _model(config_class, fields):
+    config = config_class(**{k: v for k, v in {**BASE, **fields}.items() if v is not None})
+    torch.manual_seed(0)
+    return T.AutoModelForCausalLM.from_config(config).eval()
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, TINY_VOCAB_SIZE) for _ in range(rng.randrange(5, 40))] for _ in range(4)]
+    prompts[0] += [rng.randrange(3, TINY_VOCAB_SIZE) for _ in range(24)]  # well past the window
+    return prompts + [prompts[0][:28] + [7, 8]]  # shares seven full blocks with the first
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_served_with_the_tokens_of_generate_alone(name, tokenizer):
+    config_class, fields, reference_attention = EXACT[name]
+    model = _model(config_class, fields)
+    prompts = _prompts()
+    model.set_attn_implementation(reference_attention)
+    with torch.inference_mode():
+        expected = [
+            model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(p):].tolist()
+            for p in prompts
+        ]
+    engine = Engine(model, tokenizer, max_num_seqs=8, max_num_batched_tokens=16, block_size=4, num_blocks=200,
+                    eos_token_ids=(1,))
+    engine.warmup()
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    requests = [EngineRequest(i, p, params) for i, p in enumerate(prompts)]
+    pending = list(requests)
+    step = 0
+    while pending or engine.has_unfinished():
+        if pending and step % 3 == 0:  # staggered: each joins a running batch
+            engine.add(pending.pop(0))
+        for out in engine.step():
+            assert hasattr(out, "token_id"), f"{name}: {out}"
+        step += 1
+    assert [r.output_token_ids for r in requests] == expected
+    assert engine.prefix_hits > 0
+    assert engine.num_free_blocks == engine.num_blocks
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_refused_at_start_with_the_feature_named(name, tokenizer):
+    config_class, fields, feature = REFUSED[name]
+    model = _model(config_class, fields)
+    with pytest.raises((ValueError, EngineError), match=feature):
+        engine = Engine(model, tokenizer, max_num_seqs=2, block_size=4, num_blocks=200, eos_token_ids=(1,))
+        engine.warmup()
