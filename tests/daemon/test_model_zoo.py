@@ -78,6 +78,23 @@ def _prompts() -> list[list[int]]:
     return prompts + [prompts[0][:28] + [7, 8]]  # shares seven full blocks with the first
 
 
+def _reference_and_engine(name: str, tokenizer, dtype: torch.dtype):
+    """``generate()``'s tokens for each prompt alone, and a warmed engine over the same model."""
+    config_class, fields, reference_attention = EXACT[name]
+    model = _model(config_class, fields).to(dtype)
+    model.set_attn_implementation(reference_attention)
+    with torch.inference_mode():
+        expected = [
+            model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(p):].tolist()
+            for p in _prompts()
+        ]
+    engine = Engine(model, tokenizer, max_num_seqs=8, max_num_batched_tokens=16, block_size=4, num_blocks=200,
+                    eos_token_ids=(1,))
+    engine.warmup()
+    return expected, engine
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return make_tokenizer()
@@ -93,21 +110,9 @@ def _one_thread():
 
 @pytest.mark.parametrize("name", EXACT)
 def test_served_with_the_tokens_of_generate_alone(name, tokenizer):
-    config_class, fields, reference_attention = EXACT[name]
-    model = _model(config_class, fields)
-    prompts = _prompts()
-    model.set_attn_implementation(reference_attention)
-    with torch.inference_mode():
-        expected = [
-            model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)[0, len(p):].tolist()
-            for p in prompts
-        ]
-    engine = Engine(model, tokenizer, max_num_seqs=8, max_num_batched_tokens=16, block_size=4, num_blocks=200,
-                    eos_token_ids=(1,))
-    engine.warmup()
+    expected, engine = _reference_and_engine(name, tokenizer, torch.float32)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    requests = [EngineRequest(i, p, params) for i, p in enumerate(prompts)]
+    requests = [EngineRequest(i, p, params) for i, p in enumerate(_prompts())]
     pending = list(requests)
     step = 0
     while pending or engine.has_unfinished():
@@ -137,19 +142,8 @@ def test_bfloat16_serves_without_errors_and_agrees_up_to_near_ties(name, tokeniz
     Measured over this zoo: 1,376 of 1,440 tokens (95.6%) equal bfloat16 ``generate()`` up to each stream's
     first divergence (after it the contexts differ). A broken kernel (NaN, wrong mask) agrees on almost nothing.
     """
-    config_class, fields, reference_attention = EXACT[name]
-    model = _model(config_class, fields).to(torch.bfloat16)
+    expected, engine = _reference_and_engine(name, tokenizer, torch.bfloat16)
     prompts = _prompts()
-    model.set_attn_implementation(reference_attention)
-    with torch.inference_mode():
-        expected = [
-            model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)[0, len(p):].tolist()
-            for p in prompts
-        ]
-    engine = Engine(model, tokenizer, max_num_seqs=8, max_num_batched_tokens=16, block_size=4, num_blocks=200,
-                    eos_token_ids=(1,))
-    engine.warmup()
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     requests = [EngineRequest(i, p, params) for i, p in enumerate(prompts)]
     for request in requests:
