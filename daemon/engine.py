@@ -94,6 +94,12 @@ WATERMARK_FRACTION = 0.01
 """Admission leaves this fraction of the blocks free for running decodes (vLLM v0's watermark)."""
 _WARMUP_PROMPT_LEN = 4
 _WARMUP_MAX_TOKENS = 2
+CHECK_TOKENS = 4
+"""Decode steps of the start-up check against the model's own forward (:meth:`Engine._check_against_model`)."""
+CHECK_FIRST_TOKEN = 3
+CHECK_TOLERANCE = {True: 1e-3, False: 5e-2}
+"""Largest logit difference allowed by that check, relative to the logits' scale: float32, then bf16/fp16
+(reduced-precision kernels of different batch shapes round apart by about 1e-2)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -249,6 +255,7 @@ class Engine(BaseEngine):
         self._num_random = 0
         self.num_preemptions = 0
         self._warmup_failure = ""
+        self._captured: list[torch.Tensor] | None = None
 
     # ------------------------------------------------------------ figures
 
@@ -360,11 +367,58 @@ class Engine(BaseEngine):
         produced = 0
         while self.has_unfinished():
             produced += len(self.step())
-        self._blocks.reset_prefix_cache()
-        self._blocks.prefix_queries = self._blocks.prefix_hits = 0
         if produced != _WARMUP_MAX_TOKENS:
             raise EngineError(f"{type(self._model).__name__} failed its warmup request ({self._warmup_failure}); "
                               "its layers do not work with the engine's cache and attention")
+        self._check_against_model()
+        self._blocks.reset_prefix_cache()
+        self._blocks.prefix_queries = self._blocks.prefix_hits = 0
+
+    def _check_against_model(self) -> None:
+        """Refuse an architecture whose logits through the engine differ from its own forward.
+
+        A prompt of a few blocks is prefilled in chunks and decoded for
+        :data:`CHECK_TOKENS` tokens through the engine; the model's own eager
+        forward (no cache) over the same tokens must give the same logits at
+        every sampled position, within :data:`CHECK_TOLERANCE` of the logits'
+        scale. This catches layers that bypass the engine's cache or attention
+        (recurrent, stateful or custom attention code) before they serve wrong
+        tokens.
+
+        Raises:
+            EngineError: the logits differ, naming by how much.
+        """
+        length = max(1, min(2 * self.block_size + 3, self.max_model_len - CHECK_TOKENS - 1))
+        prompt = [(CHECK_FIRST_TOKEN + 7 * i) % self.vocab_size for i in range(length)]
+        params = SamplingParams(max_tokens=CHECK_TOKENS, temperature=0.0, ignore_eos=True)
+        seq = self._make_sequence(None, EngineRequest(handle=-1, prompt_token_ids=prompt, params=params))
+        budget, self.max_num_batched_tokens = self.max_num_batched_tokens, max(1, length // 2)
+        self._captured = []
+        try:
+            self._waiting.append(seq)
+            while self.has_unfinished():
+                self.step()
+            got = torch.cat(self._captured).float()
+        finally:
+            self._captured = None
+            self.max_num_batched_tokens = budget
+        tokens = prompt + seq.request.output_token_ids[:-1]
+        try:
+            self._model.set_attn_implementation("eager")
+            with torch.inference_mode():
+                out = self._model(input_ids=torch.tensor([tokens], device=self.device), use_cache=False)
+            want = out.logits[0, length - 1:].float()
+        finally:
+            use_paged_attention(self._model)
+        tolerance = CHECK_TOLERANCE[self.dtype == torch.float32]
+        diff = float((got - want).abs().max())
+        scale = max(1.0, float(want.abs().max()))
+        if got.shape != want.shape or not diff <= tolerance * scale:
+            raise EngineError(
+                f"{type(self._model).__name__}: logits through the engine differ from the model's own forward "
+                f"(max |difference| {diff:.3g} at logit scale {scale:.3g}); its layers do not use the engine's "
+                "cache and attention as it needs, so it cannot be served exactly"
+            )
 
     # ------------------------------------------------------------ requests
 
@@ -545,6 +599,8 @@ class Engine(BaseEngine):
         if not sampled:
             return []
         logits = out.logits[0]
+        if self._captured is not None:
+            self._captured.append(logits.detach().clone())
         if any(not seq.greedy for seq in sampled):
             tokens = sample(logits, self._sampling_tensors(sampled))
         else:

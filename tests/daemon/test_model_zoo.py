@@ -62,6 +62,12 @@ REFUSED = {
     "mamba (state-space layers)": (T.MambaConfig, dict(num_hidden_layers=2), "linear_attention"),
     "opt (its own cache protocol)": (T.OPTConfig, dict(ffn_dim=64, word_embed_proj_dim=32), "get_seq_length"),
     "bloom (ALiBi, its own cache protocol)": (T.BloomConfig, dict(n_layer=2, n_head=4), "get_seq_length"),
+    "diffllama (its own attention over the cache)": (T.DiffLlamaConfig, {}, "differ from the model's own forward"),
+    "jetmoe (mixture of attention heads)": (T.JetMoeConfig, {}, "differ from the model's own forward"),
+    "rwkv (recurrent state, no KV cache)": (T.RwkvConfig, dict(num_hidden_layers=2),
+                                            "differ from the model's own forward"),
+    "openai-gpt (no KV cache)": (T.OpenAIGPTConfig, dict(n_embd=32, n_layer=2, n_head=4, n_positions=256),
+                                 "differ from the model's own forward"),
 }
 
 
