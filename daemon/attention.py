@@ -71,6 +71,8 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     if scaling is None:
         scaling = head_dim ** -0.5
     window = kwargs.get("sliding_window")
+    if paged.seen_windows is not None:
+        paged.seen_windows.add(window)
     if window is not None and window >= paged.max_context:
         window = None  # no sequence of the step reaches past the window: full attention is the same
     softcap = kwargs.get("softcap")

@@ -97,9 +97,9 @@ _WARMUP_MAX_TOKENS = 2
 CHECK_TOKENS = 4
 """Decode steps of the start-up check against the model's own forward (:meth:`Engine._check_against_model`)."""
 CHECK_FIRST_TOKEN = 3
-CHECK_TOLERANCE = {True: 1e-3, False: 5e-2}
+CHECK_TOLERANCE = {True: 1e-3, False: 1e-1}
 """Largest logit difference allowed by that check, relative to the logits' scale: float32, then bf16/fp16
-(reduced-precision kernels of different batch shapes round apart by about 1e-2)."""
+(reduced-precision kernels of different batch shapes round apart by up to a few 1e-2)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -256,6 +256,8 @@ class Engine(BaseEngine):
         self.num_preemptions = 0
         self._warmup_failure = ""
         self._captured: list[torch.Tensor] | None = None
+        self._seen_windows: set = set()
+        self._config = config
 
     # ------------------------------------------------------------ figures
 
@@ -394,6 +396,7 @@ class Engine(BaseEngine):
         seq = self._make_sequence(None, EngineRequest(handle=-1, prompt_token_ids=prompt, params=params))
         budget, self.max_num_batched_tokens = self.max_num_batched_tokens, max(1, length // 2)
         self._captured = []
+        self._seen_windows = set()
         try:
             self._waiting.append(seq)
             while self.has_unfinished():
@@ -402,6 +405,13 @@ class Engine(BaseEngine):
         finally:
             self._captured = None
             self.max_num_batched_tokens = budget
+        window = _sliding_window(self._config, self.max_model_len)
+        if window is not None and window not in self._seen_windows:
+            raise EngineError(
+                f"{type(self._model).__name__}: its config has sliding_window={window} but no layer passes it to the "
+                "attention function (the window would be applied by a mask the engine does not build); serve it with "
+                f"max_model_len <= {window}"
+            )
         tokens = prompt + seq.request.output_token_ids[:-1]
         try:
             self._model.set_attn_implementation("eager")
@@ -587,6 +597,8 @@ class Engine(BaseEngine):
         device = self.device
         meta = build_metadata(decodes, prefills, self.block_size, device)
         meta.scratch = self._cache.scratch(meta.max_gather_blocks)
+        if self._captured is not None:
+            meta.seen_windows = self._seen_windows
         self._cache.slot_mapping = meta.slot_mapping
         out = self._model(
             input_ids=torch.tensor([input_ids], dtype=torch.long, device=device),
@@ -699,6 +711,14 @@ def _rope_types(value) -> list[str]:
     for inner in value.values():
         found += _rope_types(inner)
     return found
+
+
+def _sliding_window(config, max_model_len: int) -> int | None:
+    """The sliding window the config asks for, if some sequence can outgrow it; else None."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or ()
+    uses_window = "sliding_attention" in layer_types or getattr(config, "use_sliding_window", True)
+    return window if isinstance(window, int) and uses_window and window < max_model_len else None
 
 
 def unsupported_feature(config, max_model_len: int) -> str | None:

@@ -130,6 +130,8 @@ class AttentionMetadata:
     block_size: int
     max_context: int = 0
     """Longest context (positions attended) of any sequence in the step."""
+    seen_windows: set | None = None
+    """When set, the attention functions add each ``sliding_window`` a layer passed (None for full attention)."""
     scratch: torch.Tensor | None = None
     """Reused by every layer for the gathered keys and values (set by the engine from
     :meth:`PagedKVCache.scratch`); None: the attention allocates its own."""

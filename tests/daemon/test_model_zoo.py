@@ -66,6 +66,8 @@ REFUSED = {
     "jetmoe (mixture of attention heads)": (T.JetMoeConfig, {}, "differ from the model's own forward"),
     "rwkv (recurrent state, no KV cache)": (T.RwkvConfig, dict(num_hidden_layers=2),
                                             "differ from the model's own forward"),
+    "phimoe (sliding window only in its mask)": (T.PhimoeConfig, dict(sliding_window=WINDOW, **MOE),
+                                                 "no layer passes it"),
     "openai-gpt (no KV cache)": (T.OpenAIGPTConfig, dict(n_embd=32, n_layer=2, n_head=4, n_positions=256),
                                  "differ from the model's own forward"),
 }
