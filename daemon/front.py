@@ -150,6 +150,7 @@ class Request:
     started: float = 0.0
     sched_token: int = 0
     kv_charge: int = 0
+    prefix_hashes: list[bytes] | None = None
     preempted_from: int | None = None
     """Worker asked to drop this request for a preemption, until it confirms."""
     worker_failures: int = 0

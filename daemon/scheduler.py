@@ -25,7 +25,9 @@ worker that has a free slot (``max_concurrency``, capped by the engine's
 now (prompt + output so far + the next one). The budget follows the tokens in
 use, as the worker's paged KV cache does: a request's charge grows by one per
 token streamed (:meth:`grow`) and is released when it ends, so admission no
-longer reserves ``max_tokens`` the request may never generate. When blocks run
+longer reserves ``max_tokens`` the request may never generate; the part of its
+prompt whose blocks were recently placed on the same worker (its prefix
+cache holds or shares them) is not charged again. When blocks run
 out inside a worker anyway, its engine preempts and resumes on its own. The
 head of the queue is never overtaken: a large request cannot starve behind
 smaller ones.
@@ -278,34 +280,49 @@ class Scheduler:
         """Assign waiting requests, most urgent first, while the head fits some worker."""
         placed = []
         while (req := self._peek()) is not None:
-            worker = self._place(req)
-            if worker is None:
+            place = self._place(req)
+            if place is None:
                 break
+            worker, charge = place
             self.remove(req)
-            self._start(req, worker, now)
+            self._start(req, worker, now, charge)
             placed.append((req, worker))
         return placed
 
-    def _place(self, req: Schedulable) -> WorkerBudget | None:
+    def _prefix_hashes(self, req: Schedulable) -> list[bytes]:
+        """Keys of the prompt's full blocks (within ``len - 1``, as the engine looks them up); computed once."""
+        hashes = getattr(req, "prefix_hashes", None)
+        if hashes is None:
+            block_size = next((w.block_size for w in self.workers if w.prefix_caching and w.block_size), 0)
+            hashes = block_hashes(req.prompt_token_ids[:-1], block_size) if block_size else []
+            req.prefix_hashes = hashes
+        return hashes
+
+    def _place(self, req: Schedulable) -> tuple[WorkerBudget, int] | None:
+        """The worker for ``req`` and the KV tokens to charge there (its prefix shared with work placed there is not)."""
         tokens = self.kv_tokens(req)
         limit = self.policy.max_concurrency
-        candidates = [w for w in self.workers if w.fits(tokens, limit)]
+        hashes = self._prefix_hashes(req) if any(w.prefix_caching for w in self.workers) else []
+        candidates = []
+        for w in self.workers:
+            shared = w.prefix_blocks(hashes) * w.block_size if w.prefix_caching and hashes else 0
+            if w.fits(tokens - shared, limit):
+                candidates.append((w, shared))
         if not candidates:
             return None
-        least = min(candidates, key=lambda w: (w.kv_use, w.running, w.index))
-        if len(self.workers) == 1 or not least.prefix_caching:
-            return least
-        hashes = block_hashes(req.prompt_token_ids[:-1], least.block_size)
+        least = min(candidates, key=lambda c: (c[0].kv_use, c[0].running, c[0].index))
         if len(candidates) > 1 and hashes:
-            best = max(candidates, key=lambda w: (w.prefix_blocks(hashes), -w.kv_use, -w.index))
-            gap = best.load(limit) - least.load(limit)
-            if best.prefix_blocks(hashes) and gap <= PREFIX_LOAD_SLACK:
+            best = max(candidates, key=lambda c: (c[1], -c[0].kv_use, -c[0].index))
+            gap = best[0].load(limit) - least[0].load(limit)
+            if best[1] and gap <= PREFIX_LOAD_SLACK:
                 least = best
-        least.remember(hashes)
-        return least
+        worker, shared = least
+        if hashes:
+            worker.remember(hashes)
+        return worker, tokens - shared
 
-    def _start(self, req: Schedulable, worker: WorkerBudget, now: float) -> None:
-        req.kv_charge = self.kv_tokens(req)
+    def _start(self, req: Schedulable, worker: WorkerBudget, now: float, charge: int | None = None) -> None:
+        req.kv_charge = self.kv_tokens(req) if charge is None else charge
         worker.running += 1
         worker.kv_tokens_used += req.kv_charge
         worker.served += 1

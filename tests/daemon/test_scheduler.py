@@ -257,3 +257,22 @@ def test_max_request_tokens_is_the_largest_ready_worker_limit():
     for w in sched.workers:
         w.ready = False
     assert sched.max_request_tokens() == 0
+
+
+def test_a_prefix_placed_on_a_worker_is_not_charged_again():
+    """Eight 105-token prompts sharing 96 tokens fit a 180-token worker together (one alone costs 106)."""
+    sched = make(workers=1, slots=8, kv_tokens=180, aging_rate=0.0)
+    sched.workers[0].block_size, sched.workers[0].prefix_caching = 16, True
+    shared = list(range(3, 99))  # six full blocks
+    requests = []
+    for i in range(8):
+        req = FakeRequest(0, float(i), 0, 1)
+        req.prompt_token_ids, req.num_prompt_tokens = shared + [200 + i] * 9, 105
+        requests.append(req)
+        sched.add(req)
+    assert started(sched) == requests
+    assert [r.kv_charge for r in requests] == [106] + [10] * 7
+    assert sched.workers[0].kv_tokens_used == 106 + 70
+    for req in requests:
+        sched.finished(req)
+    assert sched.workers[0].kv_tokens_used == 0
