@@ -369,7 +369,7 @@ class Engine(BaseEngine):
         produced = 0
         while self.has_unfinished():
             produced += len(self.step())
-        if produced != _WARMUP_MAX_TOKENS:
+        if produced != seq.max_output_tokens:
             raise EngineError(f"{type(self._model).__name__} failed its warmup request ({self._warmup_failure}); "
                               "its layers do not work with the engine's cache and attention")
         self._check_against_model()

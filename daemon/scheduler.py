@@ -366,7 +366,9 @@ class Scheduler:
         )
         for victim in victims:
             worker = self.workers[victim.worker]
-            if worker.fits(tokens, limit, release_tokens=victim.kv_charge, release_slots=1):
+            # KV tokens are not the bound here: running requests grow past the charged capacity and the
+            # worker's engine preempts by priority itself when its blocks run out. A free slot is.
+            if worker.fits(tokens, limit, release_tokens=worker.kv_tokens_used, release_slots=1):
                 self.finished(victim)
                 return victim, worker.index
         return None

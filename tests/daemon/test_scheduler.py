@@ -276,3 +276,20 @@ def test_a_prefix_placed_on_a_worker_is_not_charged_again():
     for req in requests:
         sched.finished(req)
     assert sched.workers[0].kv_tokens_used == 0
+
+
+def test_priority_preemption_still_works_when_running_requests_outgrew_the_charged_capacity():
+    """Running requests grow past the charged capacity (the engine pages them); a more urgent one still gets a slot."""
+    sched = make(slots=2, kv_tokens=100, aging_rate=0.0)
+    low = [FakeRequest(5, 0.0, 10, 500), FakeRequest(5, 1.0, 10, 500)]
+    for now, req in enumerate(low):
+        sched.add(req)
+        assert started(sched, float(now)) == [req]
+    for req in low:
+        sched.grow(req, 80)  # 2 x 91 charged > 100
+    urgent = FakeRequest(-10, 2.0, 10, 10)
+    sched.add(urgent)
+    assert started(sched) == []
+    victim, _ = sched.preempt()
+    assert victim is low[1]  # the least urgent, most recently started
+    assert started(sched) == [urgent]
