@@ -163,6 +163,7 @@ class Scheduler:
         self._tokens = itertools.count(1)
         self._num_waiting = 0
         self._by_priority: dict[int, int] = {}
+        self._preempted_for: Schedulable | None = None
 
     # ------------------------------------------------------------ queue
 
@@ -284,6 +285,8 @@ class Scheduler:
             if place is None:
                 break
             worker, charge = place
+            if req is self._preempted_for:
+                self._preempted_for = None
             self.remove(req)
             self._start(req, worker, now, charge)
             placed.append((req, worker))
@@ -303,10 +306,12 @@ class Scheduler:
         tokens = self.kv_tokens(req)
         limit = self.policy.max_concurrency
         hashes = self._prefix_hashes(req) if any(w.prefix_caching for w in self.workers) else []
+        # A request that preempted another for its slot is placed by slots alone (see preempt).
+        overcommit = req is self._preempted_for
         candidates = []
         for w in self.workers:
             shared = w.prefix_blocks(hashes) * w.block_size if w.prefix_caching and hashes else 0
-            if w.fits(tokens - shared, limit):
+            if w.fits(tokens - shared, limit, release_tokens=w.kv_tokens_used if overcommit else 0):
                 candidates.append((w, shared))
         if not candidates:
             return None
@@ -370,6 +375,7 @@ class Scheduler:
             # worker's engine preempts by priority itself when its blocks run out. A free slot is.
             if worker.fits(tokens, limit, release_tokens=worker.kv_tokens_used, release_slots=1):
                 self.finished(victim)
+                self._preempted_for = head
                 return victim, worker.index
         return None
 
