@@ -53,6 +53,7 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     Args:
         query: ``[1, heads, N, head_dim]``, the packed rows of the step.
         key, value: the layer's pool buffers ``[kv_heads, slots, head_dim]``
+            (values may have their own head size ``value_dim``, as in MLA)
             (from :meth:`daemon.kv_cache.PagedKVCache.update`), the step's new
             keys and values already stored.
         attention_mask: ignored (the metadata holds the structure).
@@ -62,12 +63,12 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
             is :func:`dense_attention`.
 
     Returns:
-        ``([1, N, heads, head_dim], None)``.
+        ``([1, N, heads, value_dim], None)``.
     """
     if paged is None:
         return dense_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     _, heads, num_tokens, head_dim = query.shape
-    kv_heads = key.shape[0]
+    kv_heads, value_dim = key.shape[0], value.shape[-1]
     if scaling is None:
         scaling = head_dim ** -0.5
     window = kwargs.get("sliding_window")
@@ -80,9 +81,9 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     eager = softcap is not None or sinks is not None
     block_size = paged.block_size
     key_blocks = key.view(kv_heads, -1, block_size * head_dim)
-    value_blocks = value.view(kv_heads, -1, block_size * head_dim)
+    value_blocks = value.view(kv_heads, -1, block_size * value_dim)
     q = query[0].transpose(0, 1)  # [N, heads, head_dim]
-    out = torch.empty_like(q)
+    out = q.new_empty(num_tokens, heads, value_dim)
     gqa = heads != kv_heads
     reduced = query.dtype != torch.float32
     for group in paged.decode_groups:
@@ -92,7 +93,7 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         # [kv_heads, g * nb, bs * D] -> [g, kv_heads, T, D] with contiguous [T, D] matrices
         k, v = _gather(key_blocks, value_blocks, group.block_index, paged.scratch)
         k = k.view(kv_heads, g, length, head_dim).transpose(0, 1)
-        v = v.view(kv_heads, g, length, head_dim).transpose(0, 1)
+        v = v.view(kv_heads, g, length, value_dim).transpose(0, 1)
         qg = q.index_select(0, rows)  # [g, heads, head_dim]
         valid = group.valid(window)
         if eager:
@@ -106,7 +107,7 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     for chunk in paged.prefill_chunks:
         k_all, v_all = _gather(key_blocks, value_blocks, chunk.block_index, paged.scratch)
         k_all = k_all.view(1, kv_heads, -1, head_dim)
-        v_all = v_all.view(1, kv_heads, -1, head_dim)
+        v_all = v_all.view(1, kv_heads, -1, value_dim)
         for split, (q_begin, q_end, kv_end, _) in enumerate(chunk.splits):
             rows = slice(chunk.start + q_begin, chunk.start + q_end)
             mask = chunk.mask(split, window)
@@ -162,10 +163,11 @@ def _gather(key_blocks: torch.Tensor, value_blocks: torch.Tensor, index: torch.T
     """Blocks ``index`` of ``[kv_heads, num_blocks, block_elements]`` keys and values, into ``scratch`` if given."""
     if scratch is None:
         return key_blocks.index_select(1, index), value_blocks.index_select(1, index)
-    heads, _, elements = key_blocks.shape
-    size = heads * index.numel() * elements
-    k = scratch[:size].view(heads, index.numel(), elements)
-    v = scratch[size:2 * size].view(heads, index.numel(), elements)
+    heads, count = key_blocks.shape[0], index.numel()
+    key_size = heads * count * key_blocks.shape[2]
+    value_size = heads * count * value_blocks.shape[2]
+    k = scratch[:key_size].view(heads, count, key_blocks.shape[2])
+    v = scratch[key_size:key_size + value_size].view(heads, count, value_blocks.shape[2])
     torch.index_select(key_blocks, 1, index, out=k)
     torch.index_select(value_blocks, 1, index, out=v)
     return k, v
@@ -178,7 +180,7 @@ def dense_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
 
     One-token queries in reduced precision take the two matmuls (``attention_mask``
     additive, broadcastable to ``[b, 1, 1, T]``); everything else takes
-    transformers' SDPA path. Returns ``([b, q, heads, head_dim], None)``.
+    transformers' SDPA path. Returns ``([b, q, heads, value_dim], None)``.
     """
     if query.shape[2] != 1 or query.dtype == torch.float32:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -188,12 +190,13 @@ def dense_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     if attention_mask is not None:
         valid = attention_mask[..., -1:, :] == 0
     out = _decode_matmul(query.view(batch, heads, head_dim), key, value, valid, scaling or head_dim ** -0.5)
-    return out.view(batch, 1, heads, head_dim), None
+    return out.view(batch, 1, heads, value.shape[-1]), None
 
 
 def _decode_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
                    scaling: float) -> torch.Tensor:
-    """One-token attention as two matmuls: ``q [g, heads, D]``, ``k, v [g, kv_heads, T, D]`` -> ``[g, heads, D]``.
+    """One-token attention as two matmuls: ``q [g, heads, D]``, ``k [g, kv_heads, T, D]``, ``v [g, kv_heads, T, Dv]``
+    -> ``[g, heads, Dv]``.
 
     Query head ``i`` reads kv head ``i // (heads / kv_heads)``, as ``repeat_kv`` does.
     """
@@ -204,7 +207,7 @@ def _decode_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: tor
     scores.mul_(scaling)
     scores.masked_fill_(~valid, float("-inf"))
     probs = scores.softmax(dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).view(g, heads, head_dim)
+    return torch.matmul(probs, v).view(g, heads, v.shape[-1])
 
 
 AttentionInterface.register(PAGED_ATTENTION, paged_attention)

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -70,7 +71,9 @@ from daemon.engine_api import (
     TokenOutput,
     check_request,
 )
-from daemon.families import sliding_window, unsupported_feature
+from daemon.families import kv_shape, sliding_window, unsupported_feature
+from daemon.model import ModelError
+from daemon.rope import fix_rope_frequencies
 from daemon.kv_cache import PagedKVCache, build_metadata
 from daemon.memory import kv_cache_budget
 from daemon.sampler import SamplingTensors, sample, token_seed
@@ -160,9 +163,11 @@ class Engine(BaseEngine):
         seed: seed of the generator used by requests without their own seed.
 
     Raises:
-        ValueError: a size out of range, a model that cannot use the paged
-            attention, or a pool that cannot hold one sequence of
-            ``max_model_len`` tokens (the message gives the largest that fits).
+        ModelError: the model has a feature the engine cannot serve exactly
+            (named in the message; :func:`daemon.families.unsupported_feature`).
+        ValueError: a size out of range, or a pool that cannot hold one
+            sequence of ``max_model_len`` tokens (the message gives the
+            largest that fits).
     """
 
     def __init__(
@@ -185,9 +190,18 @@ class Engine(BaseEngine):
         config = model.config
         if hasattr(config, "get_text_config"):
             config = config.get_text_config()
-        max_positions = config.max_position_embeddings
+        name = type(model).__name__
+        max_positions = getattr(config, "max_position_embeddings", None)
         if max_model_len is None:
             max_model_len = max_positions
+        problem = unsupported_feature(config, max_model_len or sys.maxsize)
+        if problem is None and not getattr(type(model), "_supports_attention_backend", False):
+            problem = ("it does not route its attention through transformers' AttentionInterface (its layers run "
+                       "their own attention and cache code)")
+        if problem is None and not isinstance(max_positions, int):
+            problem = "its config has no max_position_embeddings"
+        if problem is not None:
+            raise ModelError(f"{name} cannot be served exactly: {problem}")
         if not 2 <= max_model_len <= max_positions:
             raise ValueError(f"max_model_len must be in [2, {max_positions}], got {max_model_len}")
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
@@ -211,10 +225,9 @@ class Engine(BaseEngine):
         self.dtype = next(model.parameters()).dtype
 
         num_layers = config.num_hidden_layers
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        num_kv_heads, head_dim, value_head_dim = kv_shape(config)
         block_bytes = PagedKVCache.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim,
-                                                   self.dtype.itemsize)
+                                                   self.dtype.itemsize, value_head_dim)
         if num_blocks is None:
             if kv_cache_bytes is None:
                 kv_cache_bytes = kv_cache_budget(model, self.device, max_num_batched_tokens, memory_utilization)
@@ -232,16 +245,18 @@ class Engine(BaseEngine):
                 f"largest that fits is {largest}: lower max_model_len, or give the KV cache at least {needed} bytes "
                 f"(kv_cache_bytes, or more memory_utilization)"
             )
-        problem = unsupported_feature(config, max_model_len)
-        if problem is not None:
-            raise ValueError(f"{type(model).__name__} cannot be served exactly: {problem}")
+        try:
+            for line in fix_rope_frequencies(model, max_model_len):
+                log.info("%s", line)
+        except ValueError as exc:
+            raise ModelError(f"{name}: {exc}") from exc
         use_paged_attention(model)
         forward_params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
 
         with torch.inference_mode():
             self._cache = PagedKVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, self.dtype,
-                                       self.device)
+                                       self.device, value_head_dim)
         self._blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.enable_prefix_caching = enable_prefix_caching
         self._watermark = max(1, int(self._blocks.num_usable_blocks * WATERMARK_FRACTION))
@@ -357,7 +372,9 @@ class Engine(BaseEngine):
         """Prefill and decode a tiny request (random sampling with top-k/top-p) and discard it.
 
         Raises:
-            EngineError: the engine is not idle, or the warmup request failed.
+            EngineError: the engine is not idle.
+            ModelError: the warmup request failed, or the engine's logits differ
+                from the model's own forward (:meth:`_check_against_model`).
         """
         if self.has_unfinished():
             raise EngineError("warmup needs an idle engine")
@@ -371,7 +388,7 @@ class Engine(BaseEngine):
         while self.has_unfinished():
             produced += len(self.step())
         if produced != seq.max_output_tokens:
-            raise EngineError(f"{type(self._model).__name__} failed its warmup request ({self._warmup_failure}); "
+            raise ModelError(f"{type(self._model).__name__} failed its warmup request ({self._warmup_failure}); "
                               "its layers do not work with the engine's cache and attention")
         self._check_against_model()
         self._blocks.reset_prefix_cache()
@@ -389,7 +406,8 @@ class Engine(BaseEngine):
         tokens.
 
         Raises:
-            EngineError: the logits differ, naming by how much.
+            ModelError: the logits differ (naming by how much), or a configured
+                sliding window never reaches the attention.
         """
         length = max(1, min(2 * self.block_size + 3, self.max_model_len - CHECK_TOKENS - 1))
         prompt = [(CHECK_FIRST_TOKEN + 7 * i) % self.vocab_size for i in range(length)]
@@ -408,7 +426,7 @@ class Engine(BaseEngine):
             self.max_num_batched_tokens = budget
         window = sliding_window(self._config, self.max_model_len)
         if window is not None and window not in self._seen_windows:
-            raise EngineError(
+            raise ModelError(
                 f"{type(self._model).__name__}: its config has sliding_window={window} but no layer passes it to the "
                 "attention function (the window would be applied by a mask the engine does not build); serve it with "
                 f"max_model_len <= {window}"
@@ -425,7 +443,7 @@ class Engine(BaseEngine):
         diff = float((got - want).abs().max())
         scale = max(1.0, float(want.abs().max()))
         if got.shape != want.shape or not diff <= tolerance * scale:
-            raise EngineError(
+            raise ModelError(
                 f"{type(self._model).__name__}: logits through the engine differ from the model's own forward "
                 f"(max |difference| {diff:.3g} at logit scale {scale:.3g}); its layers do not use the engine's "
                 "cache and attention as it needs, so it cannot be served exactly"

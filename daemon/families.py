@@ -9,21 +9,17 @@ engine's start check).
 
 from __future__ import annotations
 
-__all__ = ["sliding_window", "unsupported_feature"]
+__all__ = ["kv_shape", "sliding_window", "unsupported_feature"]
 
 FULL_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
-def _rope_types(value) -> list[str]:
-    """Every ``rope_type`` in a config's ``rope_parameters`` / ``rope_scaling`` (nested per layer type or not)."""
-    if not isinstance(value, dict):
-        return []
-    found = [value["rope_type"]] if isinstance(value.get("rope_type"), str) else []
-    found += [value["type"]] if isinstance(value.get("type"), str) else []
-    for inner in value.values():
-        found += _rope_types(inner)
-    return found
+def kv_shape(config) -> tuple[int, int, int]:
+    """``(kv_heads, key_head_dim, value_head_dim)`` of the keys and values a layer stores."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return kv_heads, head_dim, head_dim
 
 
 def sliding_window(config, max_model_len: int) -> int | None:
@@ -39,23 +35,20 @@ def unsupported_feature(config, max_model_len: int) -> str | None:
 
     Checked at start, so that such a model is refused with the feature named
     instead of serving different tokens: chunked attention with chunks
-    smaller than ``max_model_len`` (``attention_chunk_size``), key/value heads
-    of different sizes (MLA), non-attention layers (state-space, linear
-    attention), and RoPE variants whose factors depend on the sequence length.
-    Sliding windows, logit softcapping and attention sinks are served
-    (:func:`daemon.attention.paged_attention`).
+    smaller than ``max_model_len`` (``attention_chunk_size``) and
+    non-attention layers (state-space, linear attention). Sliding windows,
+    logit softcapping and attention sinks are served (:func:`daemon.attention.paged_attention`); RoPE
+    whose factors depend on the sequence length is fixed at ``max_model_len``
+    (:mod:`daemon.rope`).
     """
     layer_types = getattr(config, "layer_types", None) or ()
     others = sorted({t for t in layer_types if t not in FULL_ATTENTION_LAYER_TYPES})
     if others:
         return f"layers of type {', '.join(others)} (only attention layers are supported)"
+    if getattr(config, "kv_lora_rank", None):
+        return ("multi-head latent attention (kv_lora_rank): transformers caches the compressed latent and expands "
+                "it inside the layer over the whole cache, which a paged KV pool cannot hand it")
     chunk = getattr(config, "attention_chunk_size", None)
     if chunk and chunk < max_model_len:
         return f"chunked attention (attention_chunk_size={chunk}); serve it with max_model_len <= {chunk}"
-    if getattr(config, "kv_lora_rank", None):
-        return "multi-head latent attention (kv_lora_rank: key and value head dims differ)"
-    rope = _rope_types(getattr(config, "rope_parameters", None)) + _rope_types(getattr(config, "rope_scaling", None))
-    dynamic = sorted({t for t in rope if t in LENGTH_DEPENDENT_ROPE})
-    if dynamic:
-        return f"RoPE scaling whose factors depend on the sequence length ({', '.join(dynamic)})"
     return None

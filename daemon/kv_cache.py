@@ -148,6 +148,9 @@ class PagedKVCache:
 
     Args:
         num_layers, num_kv_heads, head_dim: the model's attention shape.
+        value_head_dim: the values' head size when it differs from the keys'
+            (multi-head latent attention stores keys of ``qk_nope + qk_rope``
+            and values of ``v_head_dim`` per head); default ``head_dim``.
         num_blocks, block_size: pool size (block 0 included, kept zero).
         dtype, device: of the buffers.
 
@@ -159,14 +162,17 @@ class PagedKVCache:
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        shape = (num_kv_heads, num_blocks * block_size, head_dim)
-        self.key_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.value_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+                 dtype: torch.dtype, device: torch.device, value_head_dim: int | None = None) -> None:
+        value_head_dim = value_head_dim or head_dim
+        slots = num_blocks * block_size
+        self.key_cache = [torch.zeros((num_kv_heads, slots, head_dim), dtype=dtype, device=device)
+                          for _ in range(num_layers)]
+        self.value_cache = [torch.zeros((num_kv_heads, slots, value_head_dim), dtype=dtype, device=device)
+                            for _ in range(num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.slot_mapping: torch.Tensor | None = None
-        self._block_elements = num_kv_heads * block_size * head_dim
+        self._block_elements = num_kv_heads * block_size * (head_dim + value_head_dim)
         self._scratch = torch.empty(0, dtype=dtype, device=device)
 
     def scratch(self, num_blocks: int) -> torch.Tensor:
@@ -175,15 +181,35 @@ class PagedKVCache:
         Reusing one buffer across layers and steps saves an allocation (and, on
         CPU, its page faults) per gather.
         """
-        need = 2 * num_blocks * self._block_elements
+        need = num_blocks * self._block_elements
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=self._scratch.dtype, device=self._scratch.device)
         return self._scratch
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
+                        value_head_dim: int | None = None) -> int:
         """Bytes one block takes across all layers' keys and values."""
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
+        return num_layers * block_size * num_kv_heads * (head_dim + (value_head_dim or head_dim)) * dtype_bytes
+
+    # What transformers' modeling code asks of a ``Cache`` besides ``update``. A step packs many sequences into
+    # one row, so there is no common past length: positions come from ``position_ids`` and the attention reads
+    # the step's metadata, not a mask (masks are skipped for an attention with no mask function registered).
+    # A model that uses these answers for anything else fails the engine's start check against its own forward.
+    is_compileable = False
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """0: a packed step has no common past length (positions are passed as ``position_ids``)."""
+        return 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        """0, as :meth:`get_seq_length`."""
+        return 0
+
+    def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` of a mask over the step's own rows: ``(query_length, 0)``."""
+        length = query_length if isinstance(query_length, int) else int(query_length.shape[0])
+        return length, 0
 
     @property
     def nbytes(self) -> int:
@@ -195,7 +221,8 @@ class PagedKVCache:
         """Store one layer's new keys and values at the step's slot mapping; return the layer's pool buffers.
 
         Args:
-            key_states, value_states: ``[1, num_kv_heads, N, head_dim]`` (after RoPE), packed rows.
+            key_states, value_states: ``[1, num_kv_heads, N, head_dim]`` (after RoPE; values
+                ``value_head_dim``), packed rows.
             layer_idx: decoder layer index.
 
         Returns:

@@ -127,10 +127,11 @@ class PagedCase:
     Unused pool slots hold ``fill`` (keys and values left by earlier sequences).
     """
 
-    def __init__(self, dtype, heads, kv_heads, head_dim=8, fill=1e4, seed=0) -> None:
+    def __init__(self, dtype, heads, kv_heads, head_dim=8, fill=1e4, seed=0, value_head_dim=None) -> None:
         gen = torch.Generator().manual_seed(seed)
         rng = random.Random(seed)
         self.heads, self.kv_heads, self.head_dim, self.dtype = heads, kv_heads, head_dim, dtype
+        self.value_head_dim = value_head_dim = value_head_dim or head_dim
         lengths = DECODE_LENGTHS + [start + n for start, n in PREFILLS]
         starts = [n - 1 for n in DECODE_LENGTHS] + [start for start, _ in PREFILLS]
         need = [math.ceil(n / BLOCK_SIZE) for n in lengths]
@@ -141,12 +142,12 @@ class PagedCase:
         for n in need:
             self.tables.append(ids[:n])
             ids = ids[n:]
-        self.cache = PagedKVCache(1, num_blocks, BLOCK_SIZE, kv_heads, head_dim, dtype, CPU)
+        self.cache = PagedKVCache(1, num_blocks, BLOCK_SIZE, kv_heads, head_dim, dtype, CPU, value_head_dim)
         keys, values = self.cache.key_cache[0], self.cache.value_cache[0]
         keys[:, BLOCK_SIZE:] = fill
         values[:, BLOCK_SIZE:] = fill
         self.k = [torch.randn(kv_heads, n, head_dim, generator=gen).to(dtype) for n in lengths]
-        self.v = [torch.randn(kv_heads, n, head_dim, generator=gen).to(dtype) for n in lengths]
+        self.v = [torch.randn(kv_heads, n, value_head_dim, generator=gen).to(dtype) for n in lengths]
         self.starts, self.lengths = starts, lengths
         for table, start, k, v in zip(self.tables, starts, self.k, self.v):
             slots = torch.tensor([table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start)],
@@ -202,11 +203,22 @@ def test_paged_attention_matches_per_sequence_attention(monkeypatch, dtype, head
     torch.testing.assert_close(out.double(), case.expected(case.head_dim ** -0.5), atol=tol, rtol=tol)
 
 
-def test_paged_attention_reuses_a_scratch_buffer():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_values_may_have_their_own_head_size(dtype):
+    """Keys of 8 and values of 12 per head (as in MLA's expanded form): the output has the values' size."""
+    case = PagedCase(dtype, 4, 2, value_head_dim=12)
+    assert case.cache.value_cache[0].shape[-1] == 12
+    assert PagedKVCache.bytes_per_block(1, BLOCK_SIZE, 2, 8, dtype.itemsize, 12) == case.cache.nbytes // case.cache.num_blocks
+    out, _ = case.attend()
+    assert out.shape == (1, case.meta.num_tokens, 4, 12)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), case.expected(8 ** -0.5), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("value_head_dim", [None, 12])
+def test_paged_attention_reuses_a_scratch_buffer(value_head_dim):
     """Gathers into one dirty, oversized buffer shared by every call give the same result, call after call."""
-    if not hasattr(PagedKVCache, "scratch"):
-        pytest.skip("PagedKVCache has no scratch buffer")
-    case = PagedCase(torch.float32, 4, 2)
+    case = PagedCase(torch.float32, 4, 2, value_head_dim=value_head_dim)
     scratch = case.cache.scratch(case.meta.max_gather_blocks + 7)
     scratch.fill_(float("nan"))
     assert case.cache.scratch(case.meta.max_gather_blocks) is scratch  # grown, never shrunk

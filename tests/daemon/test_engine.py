@@ -940,23 +940,3 @@ def test_randomized_churn_keeps_outputs_exact(tiny, pool):
     assert engine.num_free_blocks == engine.num_blocks
     if pool:
         assert engine.num_preemptions > 0 and engine.prefix_hits > 0
-
-
-def _tiny(config_class, **fields):
-    from transformers import AutoModelForCausalLM
-
-    base = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config_class(**{**base, **fields})).eval()
-
-
-@pytest.mark.parametrize("make, feature", [
-    (lambda: _tiny(__import__("transformers").LlamaConfig, attention_chunk_size=16), "attention_chunk_size=16"),
-    (lambda: _tiny(__import__("transformers").LlamaConfig, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
-                                                                            "rope_theta": 10000.0}), "dynamic"),
-])
-def test_models_it_cannot_serve_exactly_are_refused_at_start_naming_the_feature(tiny, make, feature):
-    model = make()
-    with pytest.raises(ValueError, match=feature):
-        Engine(model, tiny.tokenizer, max_num_seqs=2, num_blocks=64)
