@@ -1,3 +1,5 @@
 """ringstream's processes: front, scheduler, workers and engine."""
 
-__version__ = "0.1.0"
+from ringstream import __version__
+
+__all__ = ["__version__"]

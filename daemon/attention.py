@@ -1,8 +1,8 @@
-"""The engine's attention: packed rows over the paged KV pool (see :mod:`daemon.kv_cache`).
+"""The engine's attention: packed rows over the paged KV pool (see :mod:`ringstream.daemon.kv_cache`).
 
 Registered with transformers' ``AttentionInterface`` as :data:`PAGED_ATTENTION`;
 the engine switches its model to it. Each layer's call reads the step's
-:class:`daemon.kv_cache.AttentionMetadata` (keyword ``paged``):
+:class:`ringstream.daemon.kv_cache.AttentionMetadata` (keyword ``paged``):
 
 * decode groups: the rows' contexts are gathered from the pool into
   ``[g, kv_heads, T, head_dim]`` (``T`` = the group's longest context) and
@@ -15,7 +15,7 @@ the engine switches its model to it. Each layer's call reads the step's
   torch 2.13, built-in model at batch 64: a bfloat16 decode step took 12.1 ms
   with SDPA and 8.4 ms with the matmuls).
 * prefill chunks: one SDPA call per chunk (split when the mask would exceed
-  :data:`daemon.kv_cache.MAX_MASK_ELEMENTS`), causal over the chunk and full
+  :data:`ringstream.daemon.kv_cache.MAX_MASK_ELEMENTS`), causal over the chunk and full
   over the context before it. A chunk that starts its sequence uses
   ``is_causal`` and builds no mask at all.
 
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from daemon.kv_cache import AttentionMetadata
+from ringstream.daemon.kv_cache import AttentionMetadata
 
 __all__ = ["PAGED_ATTENTION", "dense_attention", "eager_attention", "paged_attention", "use_paged_attention"]
 
@@ -54,7 +54,7 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         query: ``[1, heads, N, head_dim]``, the packed rows of the step.
         key, value: the layer's pool buffers ``[kv_heads, slots, head_dim]``
             (values may have their own head size ``value_dim``, as in MLA)
-            (from :meth:`daemon.kv_cache.PagedKVCache.update`), the step's new
+            (from :meth:`ringstream.daemon.kv_cache.PagedKVCache.update`), the step's new
             keys and values already stored.
         attention_mask: ignored (the metadata holds the structure).
         scaling: score scale (default ``head_dim ** -0.5``).

@@ -10,7 +10,7 @@ import sys
 import msgspec
 import zmq
 
-from ipc.protocol import to_dict
+from ringstream.ipc.protocol import to_dict
 
 
 def _add_address(parser: argparse.ArgumentParser) -> None:
@@ -110,7 +110,7 @@ def _check_address(args: argparse.Namespace) -> str:
 
     Raises ValueError for an address that is neither ``ipc://`` nor ``tcp://``.
     """
-    from ipc.address import default_socket, unix_socket_listening
+    from ringstream.ipc.address import default_socket, unix_socket_listening
 
     address = args.socket or default_socket(args.instance)
     if not address.startswith(("ipc://", "tcp://")):
@@ -130,7 +130,7 @@ def _check_address(args: argparse.Namespace) -> str:
 
 def _client(args: argparse.Namespace, timeout_s: float = 30.0):
     """A ``Client`` for the address and CURVE certificates of ``args``; ValueError for a missing socket or key."""
-    from ipc.client import Client
+    from ringstream.ipc.client import Client
 
     keys = {}
     if (args.curve_server_cert is None) != (args.curve_cert is None):
@@ -160,15 +160,15 @@ def _run(args: argparse.Namespace) -> int:
         case "admin":
             return _admin(args)
         case "demo":
-            from daemon.demo import run_demo
+            from ringstream.daemon.demo import run_demo
 
             return asyncio.run(run_demo(args.model, args.devices, args.requests, args.max_tokens))
     return 2
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from daemon.config import load_config
-    from daemon.front import serve
+    from ringstream.daemon.config import load_config
+    from ringstream.daemon.front import serve
 
     overrides = dict(
         socket=args.socket, instance=args.instance, model=args.model, devices=args.devices, engine=args.engine,
@@ -187,7 +187,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from ipc.client import RingstreamError
+    from ringstream.ipc.client import RingstreamError
 
     params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                   seed=args.seed, stop=args.stop, priority=args.priority, stop_token_ids=args.stop_token_id,
@@ -223,7 +223,7 @@ def parse_setting(item: str) -> tuple[str, object]:
 
 
 def _admin(args: argparse.Namespace) -> int:
-    from ipc.client import RingstreamError
+    from ringstream.ipc.client import RingstreamError
 
     try:
         settings = dict(parse_setting(item) for item in args.settings)
@@ -237,7 +237,7 @@ def _admin(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from ipc.client import RingstreamError
+    from ringstream.ipc.client import RingstreamError
 
     try:
         with _client(args, timeout_s=5.0) as client:

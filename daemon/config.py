@@ -13,7 +13,7 @@ from typing import Literal
 
 import msgspec
 
-from ipc.address import default_socket, runtime_dir  # noqa: F401  (re-exported)
+from ringstream.ipc.address import default_socket, runtime_dir  # noqa: F401  (re-exported)
 
 INSTANCE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 TCP_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")

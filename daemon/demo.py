@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from ipc.client import AsyncClient, RingstreamError
+from ringstream.ipc.client import AsyncClient, RingstreamError
 
 PROMPTS = [
     "The socket module provides", "Return the number of", "Create a new instance of", "This function is used to",
@@ -59,7 +59,7 @@ async def run_demo(model: str | None, devices: str, requests: int, max_tokens: i
     instance = f"demo-{os.getpid()}"
     address = f"ipc://{tmp}/demo.sock"
     # -P: the daemon never imports modules from the current directory
-    cmd = [sys.executable, "-P", "-m", "daemon.cli", "serve", "--instance", instance, "--socket", address,
+    cmd = [sys.executable, "-P", "-m", "ringstream.daemon.cli", "serve", "--instance", instance, "--socket", address,
            "--devices", devices, "--log-level", "warning"]
     if model:
         cmd += ["--model", model]

@@ -2,8 +2,8 @@
 
 Requests join the running batch at the next step and leave the moment they
 finish (continuous batching: Orca, Yu et al., OSDI 2022; vLLM). Their keys and
-values live in a paged pool (:mod:`daemon.kv_cache`) of fixed-size blocks that
-:class:`daemon.block_manager.BlockManager` hands out as sequences grow, shares
+values live in a paged pool (:mod:`ringstream.daemon.kv_cache`) of fixed-size blocks that
+:class:`ringstream.daemon.block_manager.BlockManager` hands out as sequences grow, shares
 between sequences with a common prefix, and keeps cached after they end.
 
 One ``step()`` (vLLM v1's scheduler, ``vllm/v1/core/sched/scheduler.py``):
@@ -22,7 +22,7 @@ One ``step()`` (vLLM v1's scheduler, ``vllm/v1/core/sched/scheduler.py``):
    where it stopped; its stream is unbroken).
 3. **Forward.** One forward over the packed new tokens of every scheduled
    sequence, each at its own positions; attention reads each sequence's own
-   context through its block table (:mod:`daemon.attention`), so no row pays
+   context through its block table (:mod:`ringstream.daemon.attention`), so no row pays
    for the longest row and no step builds an ``L x L`` mask.
 4. **Sample** the next token of every sequence whose known tokens are now all
    computed; detokenise, check stop conditions, free finished sequences.
@@ -54,10 +54,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from daemon.attention import use_paged_attention
-from daemon.block_manager import DEFAULT_BLOCK_SIZE, BlockManager, block_hashes
-from daemon.detokenizer import IncrementalDetokenizer
-from daemon.engine_api import (
+from ringstream.daemon.attention import use_paged_attention
+from ringstream.daemon.block_manager import DEFAULT_BLOCK_SIZE, BlockManager, block_hashes
+from ringstream.daemon.detokenizer import IncrementalDetokenizer
+from ringstream.daemon.engine_api import (
     FINISH_LENGTH,
     FINISH_STOP,
     GREEDY_TEMPERATURE_EPS,
@@ -71,12 +71,12 @@ from daemon.engine_api import (
     TokenOutput,
     check_request,
 )
-from daemon.families import kv_shape, sliding_window, unsupported_feature
-from daemon.model import ModelError
-from daemon.rope import fix_rope_frequencies
-from daemon.kv_cache import PagedKVCache, build_metadata
-from daemon.memory import kv_cache_budget
-from daemon.sampler import SamplingTensors, sample, token_seed
+from ringstream.daemon.families import kv_shape, sliding_window, unsupported_feature
+from ringstream.daemon.model import ModelError
+from ringstream.daemon.rope import fix_rope_frequencies
+from ringstream.daemon.kv_cache import PagedKVCache, build_metadata
+from ringstream.daemon.memory import kv_cache_budget
+from ringstream.daemon.sampler import SamplingTensors, sample, token_seed
 
 __all__ = [
     "BaseEngine",
@@ -152,7 +152,7 @@ class Engine(BaseEngine):
             in one step's forward.
         block_size: token positions per KV-cache block.
         num_blocks: KV pool size in blocks, the null block included; default
-            from ``kv_cache_bytes``, else from memory (:func:`daemon.memory.kv_cache_budget`).
+            from ``kv_cache_bytes``, else from memory (:func:`ringstream.daemon.memory.kv_cache_budget`).
         kv_cache_bytes: KV pool size in bytes (all layers, keys and values).
         memory_utilization: fraction of the memory available after the
             weights and a profiling forward that the pool may take, when
@@ -164,7 +164,7 @@ class Engine(BaseEngine):
 
     Raises:
         ModelError: the model has a feature the engine cannot serve exactly
-            (named in the message; :func:`daemon.families.unsupported_feature`).
+            (named in the message; :func:`ringstream.daemon.families.unsupported_feature`).
         ValueError: a size out of range, or a pool that cannot hold one
             sequence of ``max_model_len`` tokens (the message gives the
             largest that fits).

@@ -1,7 +1,7 @@
 """The engine interface, free of torch: request, parameter and output types, shared checks.
 
 The worker drives any :class:`BaseEngine` (the paged Hugging Face engine of
-:mod:`daemon.engine`, the synthetic one of :mod:`daemon.synthetic`) through
+:mod:`ringstream.daemon.engine`, the synthetic one of :mod:`ringstream.daemon.synthetic`) through
 ``add`` / ``abort`` / ``step``. Importing this module loads no torch, so the
 synthetic engine starts without it.
 """

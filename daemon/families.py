@@ -37,9 +37,9 @@ def unsupported_feature(config, max_model_len: int) -> str | None:
     instead of serving different tokens: chunked attention with chunks
     smaller than ``max_model_len`` (``attention_chunk_size``) and
     non-attention layers (state-space, linear attention). Sliding windows,
-    logit softcapping and attention sinks are served (:func:`daemon.attention.paged_attention`); RoPE
+    logit softcapping and attention sinks are served (:func:`ringstream.daemon.attention.paged_attention`); RoPE
     whose factors depend on the sequence length is fixed at ``max_model_len``
-    (:mod:`daemon.rope`).
+    (:mod:`ringstream.daemon.rope`).
     """
     layer_types = getattr(config, "layer_types", None) or ()
     others = sorted({t for t in layer_types if t not in FULL_ATTENTION_LAYER_TYPES})

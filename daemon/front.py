@@ -14,7 +14,7 @@ One asyncio loop (uvloop) owns everything here:
   ZeroMQ (``ROUTER_HANDOVER`` stays off: a newcomer cannot take over, and
   read, another connection's streams);
 * a PULL socket on which workers report readiness, heartbeats and doorbells;
-  both sockets are plain ZeroMQ sockets read by :class:`ipc.aio.SocketPump`
+  both sockets are plain ZeroMQ sockets read by :class:`ringstream.ipc.aio.SocketPump`
   (drained on their file descriptor's wake-up, no future per message) and
   written with non-blocking sends;
 * the rings: on a doorbell the front reads every published record, turns them
@@ -47,21 +47,21 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from daemon import __version__
-from daemon.config import Config, load_config, parse_devices, runtime_dir
-from daemon.metrics import Metrics
-from daemon.model import ModelInfo, load_tokenizer, resolve_model_dir
-from daemon.notify import Notifier, WatchdogGate
-from daemon.scheduler import Scheduler, SchedulerPolicy, WorkerBudget
-from daemon.supervisor import (
+from ringstream.daemon import __version__
+from ringstream.daemon.config import Config, load_config, parse_devices, runtime_dir
+from ringstream.daemon.metrics import Metrics
+from ringstream.daemon.model import ModelInfo, load_tokenizer, resolve_model_dir
+from ringstream.daemon.notify import Notifier, WatchdogGate
+from ringstream.daemon.scheduler import Scheduler, SchedulerPolicy, WorkerBudget
+from ringstream.daemon.supervisor import (
     JOIN_GRACE_S, InstanceLock, StartupError, WorkerProcess, create_workers, ensure_open_files, open_files_needed,
     release_workers, spawn, stop_process,
 )
-from daemon.validate import RequestRejected, Validator
-from ipc import protocol as P
-from ipc.address import unix_socket_listening
-from ipc.aio import SocketPump
-from ipc.ring import KIND_ERROR, KIND_FINISH, KIND_TOKEN
+from ringstream.daemon.validate import RequestRejected, Validator
+from ringstream.ipc import protocol as P
+from ringstream.ipc.address import unix_socket_listening
+from ringstream.ipc.aio import SocketPump
+from ringstream.ipc.ring import KIND_ERROR, KIND_FINISH, KIND_TOKEN
 
 log = logging.getLogger("ringstream.front")
 

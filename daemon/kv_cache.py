@@ -7,7 +7,7 @@ that gathering whole blocks yields ``[g, num_kv_heads, T, head_dim]`` with
 contiguous ``[T, head_dim]`` matrices, which the attention kernels read
 without another copy (measured on CPU: about 1.6x faster than a
 slot-major layout for a decode layer). All layers share the
-block ids handed out by :class:`daemon.block_manager.BlockManager`; block 0 is
+block ids handed out by :class:`ringstream.daemon.block_manager.BlockManager`; block 0 is
 the zero-filled null block that padded reads point at.
 
 Each engine step runs one forward over a *packed* batch: the new tokens of
@@ -26,7 +26,7 @@ through every layer to its attention function and to ``cache.update``):
 
 :class:`PagedKVCache` is passed as ``cache=``; its ``update`` stores the layer's
 new keys and values and returns the layer's pool buffers, which the attention
-function (:func:`daemon.attention.paged_attention`) reads through the metadata.
+function (:func:`ringstream.daemon.attention.paged_attention`) reads through the metadata.
 It is not a ``transformers.Cache`` subclass: mask creation is skipped for the
 engine's attention implementation and the metadata carries all there is.
 """

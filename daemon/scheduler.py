@@ -59,7 +59,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from daemon.block_manager import block_hashes
+from ringstream.daemon.block_manager import block_hashes
 
 COMPACT_SLACK = 64
 """Rebuild the heaps when stale entries outnumber live ones by this much."""

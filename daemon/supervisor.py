@@ -23,10 +23,10 @@ from pathlib import Path
 
 import zmq
 
-from daemon.config import Config
-from daemon.worker import WorkerSpec, worker_main
-from ipc import protocol as P
-from ipc.ring import RingConsumer
+from ringstream.daemon.config import Config
+from ringstream.daemon.worker import WorkerSpec, worker_main
+from ringstream.ipc import protocol as P
+from ringstream.ipc.ring import RingConsumer
 
 log = logging.getLogger("ringstream.supervisor")
 
@@ -190,7 +190,7 @@ HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
 """When ``1``, PyTorch's CPU allocator asks for transparent huge pages for blocks of 2 MiB and more
 (``c10/core/alloc_cpu.cpp``; read once, at the first allocation). A CPU worker reads its weights and
 the KV cache of every running sequence at each step; with 4 KiB pages that is thousands of TLB misses
-per step. Measured with ``THP_MEM_ALLOC_ENABLE=0|1 python -m tools.bench_engine --threads 2 --dtype
+per step. Measured with ``THP_MEM_ALLOC_ENABLE=0|1 python -m ringstream.tools.bench_engine --threads 2 --dtype
 bfloat16`` on a 2-core AMD EPYC (THP in ``madvise`` mode): engine 5.8k -> 7.3k tokens/s. Workers get
 ``1`` unless the daemon's environment sets it (``0`` turns it off)."""
 

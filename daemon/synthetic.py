@@ -1,7 +1,7 @@
 """Synthetic engine: deterministic tokens at a fixed step time, no model compute.
 
-``SyntheticEngine`` implements :class:`daemon.engine.BaseEngine` with the same
-request semantics as :class:`daemon.engine.Engine` as the serving layer sees
+``SyntheticEngine`` implements :class:`ringstream.daemon.engine.BaseEngine` with the same
+request semantics as :class:`ringstream.daemon.engine.Engine` as the serving layer sees
 them, but without a model: it exists to measure the serving layer (front,
 scheduler, rings, sockets, client) on its own, as Triton Inference Server's
 ``identity`` model does for Triton. With it, any throughput or latency limit a
@@ -18,7 +18,7 @@ What it shares with ``Engine``:
 * stop conditions in the same order: EOS / ``stop_token_ids`` (the token is
   included and adds no text), then ``stop`` strings (the text ends right
   before the first one, which is never emitted, held back across tokens the
-  way :class:`daemon.detokenizer.IncrementalDetokenizer` does), then length
+  way :class:`ringstream.daemon.detokenizer.IncrementalDetokenizer` does), then length
   (``max_tokens`` or the context limit ``max_model_len``);
 * ``abort``, resume via ``EngineRequest.output_token_ids`` (generation
   continues at ``seq = len(output_token_ids)``), and the same
@@ -41,7 +41,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from daemon.engine_api import (
+from ringstream.daemon.engine_api import (
     FINISH_LENGTH,
     FINISH_STOP,
     BaseEngine,
@@ -77,7 +77,7 @@ def synthetic_text(seq: int) -> str:
 class _StopScanner:
     """Stop-string matching over streamed text, holding back possible stop-string prefixes.
 
-    Same rule as :class:`daemon.detokenizer.IncrementalDetokenizer`: the text
+    Same rule as :class:`ringstream.daemon.detokenizer.IncrementalDetokenizer`: the text
     ends right before the first stop string to appear (possibly spread over
     several deltas), which is not emitted; the longest suffix that could start
     a stop string is held back until it is resolved.

@@ -1,6 +1,6 @@
 """Request validation in the front: everything checked before a request queues.
 
-The wire decoder already enforced types and ranges (``ipc.protocol`` limits);
+The wire decoder already enforced types and ranges (``ringstream.ipc.protocol`` limits);
 here come the checks that need the model: tokenisation, vocabulary range and
 the context length. A rejected request raises :class:`RequestRejected` with
 the error code its client receives.
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import tokenizers
 
-from daemon.model import ModelInfo
-from ipc import protocol as P
+from ringstream.daemon.model import ModelInfo
+from ringstream.ipc import protocol as P
 
 TOKEN_CHARS_MARGIN = 2
 """Normalisers may merge characters (NFC): allow this factor over the longest vocabulary entry."""

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 import zmq
 
-from daemon.engine_api import EngineRequest, PromptTooLong, RequestError, SamplingParams
-from ipc import protocol as P
-from ipc.ring import KIND_ERROR, KIND_FINISH, KIND_TOKEN, RingProducer
+from ringstream.daemon.engine_api import EngineRequest, PromptTooLong, RequestError, SamplingParams
+from ringstream.ipc import protocol as P
+from ringstream.ipc.ring import KIND_ERROR, KIND_FINISH, KIND_TOKEN, RingProducer
 
 log = logging.getLogger("ringstream.worker")
 
@@ -206,14 +206,14 @@ class Worker:
 
     def start(self) -> None:
         """Load the model, build and warm the engine, attach the ring, report ready."""
-        from daemon.model import load_model, load_tokenizer, resolve_model_dir
+        from ringstream.daemon.model import load_model, load_tokenizer, resolve_model_dir
 
         spec = self.spec
         try:
             self.fault = FaultInjector.from_env(spec.index)
             info = resolve_model_dir(spec.model_path)
             if spec.engine == "synthetic":  # no torch: the synthetic engine starts in a fraction of a second
-                from daemon.synthetic import SyntheticEngine
+                from ringstream.daemon.synthetic import SyntheticEngine
 
                 self.engine = SyntheticEngine(
                     max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len or info.max_model_len,
@@ -223,7 +223,7 @@ class Worker:
                 import torch
                 from transformers.utils import logging as hf_logging
 
-                from daemon.engine import Engine
+                from ringstream.daemon.engine import Engine
 
                 hf_logging.disable_progress_bar()
                 if spec.device == "cpu":

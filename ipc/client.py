@@ -46,9 +46,9 @@ from typing import AsyncIterator, Iterator
 import msgspec
 import zmq
 
-from ipc import protocol as P
-from ipc.aio import SocketPump
-from ipc.address import default_socket
+from ringstream.ipc import protocol as P
+from ringstream.ipc.aio import SocketPump
+from ringstream.ipc.address import default_socket
 
 DEFAULT_HEARTBEAT_S = 1.0
 """Heartbeat period while streams are open, seconds (a third of the daemon's default 10 s or less)."""
@@ -251,7 +251,7 @@ class AsyncClient:
     """asyncio client; use ``async with AsyncClient() as c`` or call :meth:`close`.
 
     ``address``: the daemon's ZeroMQ address (default: the instance's
-    socket, see :func:`ipc.address.default_socket`). ``identity``: a fixed
+    socket, see :func:`ringstream.ipc.address.default_socket`). ``identity``: a fixed
     ZeroMQ routing id (default: random per client). ``heartbeat_s`` and
     ``timeout_s`` in seconds. ``curve_*``: CURVE keys (Z85 bytes), see the
     module docstring; ValueError unless all three or none are given;
@@ -380,7 +380,7 @@ class AsyncClient:
                        id: str | None = None, **params) -> AsyncIterator[P.Chunk]:
         """Stream one generation: yields ``Chunk``s; the last has ``finish_reason``.
 
-        ``params`` are :class:`ipc.protocol.Generate` fields (``max_tokens``,
+        ``params`` are :class:`ringstream.ipc.protocol.Generate` fields (``max_tokens``,
         ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``,
         ``stop_token_ids``, ``ignore_eos``, ``priority``, ``queue_timeout_s``,
         ``timeout_s``, ``stream``). Raises a :class:`ServerError` subclass

@@ -8,7 +8,7 @@ Two channels use these types:
 * the **worker channel** (front <-> worker processes, ZeroMQ PUSH/PULL): the
   front sends :data:`WorkerCommand`, workers send :data:`WorkerEvent`. Tokens
   themselves do not travel here; they go through the shared-memory ring
-  (:mod:`ipc.ring`), whose FINISH and ERROR records carry a msgpack-encoded
+  (:mod:`ringstream.ipc.ring`), whose FINISH and ERROR records carry a msgpack-encoded
   :class:`Finish` or :class:`WorkerError` payload.
 
 Encoding: msgpack, each struct ``array_like`` (``[tag, field, ...]``) with its

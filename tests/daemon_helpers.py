@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 
-from ipc.client import Client
+from ringstream.ipc.client import Client
 
 READY_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 60.0
@@ -98,7 +98,7 @@ def running_daemon(tmp_path: Path, *args: str, ready: bool = True, env: dict | N
     address = f"ipc://{tmp_path}/{instance}.sock"
     log_path = tmp_path / f"{instance}.log"
     env = dict(os.environ, XDG_RUNTIME_DIR=str(tmp_path), **(env or {}))
-    cmd = [sys.executable, "-m", "daemon.cli", "serve", "--instance", instance, "--socket", address, *args]
+    cmd = [sys.executable, "-m", "ringstream.daemon.cli", "serve", "--instance", instance, "--socket", address, *args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec_fn)
     daemon = Daemon(proc, address, instance, log_path)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from tools.make_model import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, save_tokenizer, train_tokenizer
+from ringstream.tools.make_model import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, save_tokenizer, train_tokenizer
 
 TINY_VOCAB_SIZE = 512
 TINY_HIDDEN_SIZE = 64
@@ -56,7 +56,7 @@ def _training_corpus() -> list[str]:
 def make_tokenizer(vocab_size: int = TINY_VOCAB_SIZE):
     """Train a small byte-level BPE ``tokenizers.Tokenizer`` in about a second.
 
-    The same recipe as the default model's (:func:`tools.make_model.train_tokenizer`):
+    The same recipe as the default model's (:func:`ringstream.tools.make_model.train_tokenizer`):
     ``<s>`` (id 0), ``</s>`` (id 1), ``<pad>`` (id 2); the post-processor prepends ``<s>``.
     """
     return train_tokenizer(_training_corpus(), vocab_size)

@@ -4,13 +4,13 @@ Each baseline serves the same closed-loop workload as the daemon's load test
 (``concurrency`` streams, each starting its next request when the previous
 one ends, ``requests`` in all; greedy, EOS ignored, so every request
 generates exactly ``max_tokens`` tokens) and returns one
-:class:`tools.bench_stats.RequestRecord` per request, except the ceiling,
+:class:`ringstream.tools.bench_stats.RequestRecord` per request, except the ceiling,
 which has no requests:
 
 * ``ceiling``: the bare lockstep batched decode loop over a preallocated
-  cache of :mod:`tools.bench_engine` (one batch of ``concurrency`` prompts):
+  cache of :mod:`ringstream.tools.bench_engine` (one batch of ``concurrency`` prompts):
   the most this model and CPU can decode, with no serving at all;
-* ``engine``: ``daemon.engine.Engine`` driven in-process (no sockets, no
+* ``engine``: ``ringstream.daemon.engine.Engine`` driven in-process (no sockets, no
   rings, no front);
 * ``naive``: one thread per request calling ``model.generate()`` with a
   ``transformers.TextIteratorStreamer``, consumed by the caller's thread, no
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tools.bench_stats import RequestRecord
+from ringstream.tools.bench_stats import RequestRecord
 
 WARMUP_REQUESTS = 4
 """Requests hf-cb serves before it is measured (first-call allocations, lazy initialisation)."""
@@ -106,10 +106,10 @@ def _fresh_records(records: list[RequestRecord | None]) -> list[RequestRecord]:
 def run_ceiling(model, workload: Workload, prefill_tokens: int) -> float:
     """Bare lockstep decode of the first ``concurrency`` prompts; generated tokens per second.
 
-    Uses :func:`tools.bench_engine.bare_decode_loop` (prefill included, in
+    Uses :func:`ringstream.tools.bench_engine.bare_decode_loop` (prefill included, in
     chunks of ``prefill_tokens`` tokens, as the engine's budget).
     """
-    from tools.bench_engine import bare_decode_loop
+    from ringstream.tools.bench_engine import bare_decode_loop
 
     prompts = torch.tensor(workload.prompts[: workload.concurrency])
     _, seconds, _ = bare_decode_loop(model, prompts, workload.max_tokens, prefill_tokens)
@@ -118,7 +118,7 @@ def run_ceiling(model, workload: Workload, prefill_tokens: int) -> float:
 
 def warm_ceiling(model, workload: Workload, prefill_tokens: int) -> None:
     """One tiny lockstep run, so the measured one meets no first-call costs."""
-    from tools.bench_engine import WARMUP_PROMPT_LEN, bare_decode_loop
+    from ringstream.tools.bench_engine import WARMUP_PROMPT_LEN, bare_decode_loop
 
     prompts = torch.tensor([p[:WARMUP_PROMPT_LEN] for p in workload.prompts[: workload.concurrency]])
     bare_decode_loop(model, prompts, WARMUP_MAX_TOKENS, prefill_tokens)
@@ -126,7 +126,7 @@ def warm_ceiling(model, workload: Workload, prefill_tokens: int) -> None:
 
 def run_engine(engine, workload: Workload) -> list[RequestRecord]:
     """Serve the workload with an in-process ``Engine``; one record per request."""
-    from daemon.engine import EngineRequest, SamplingParams
+    from ringstream.daemon.engine import EngineRequest, SamplingParams
 
     params = SamplingParams(max_tokens=workload.max_tokens, temperature=0.0, ignore_eos=True)
     records: list[RequestRecord | None] = [None] * workload.requests

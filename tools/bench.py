@@ -1,7 +1,7 @@
 """``ringstream-bench``: load-test a daemon, and compare it with baselines on one workload.
 
 ``ringstream-bench run --socket ADDR ...`` drives a running daemon with the
-load generator of :mod:`tools.loadgen` (closed loop with ``--concurrency``
+load generator of :mod:`ringstream.tools.loadgen` (closed loop with ``--concurrency``
 streams, or open loop with Poisson arrivals at ``--rate``) and reports
 requests/s, output tokens/s, TTFT / ITL / E2E percentiles, errors by code and
 order violations, as a table, JSON (``--json``) and plots (``--plot``); it
@@ -11,7 +11,7 @@ exits with status 1 if any stream broke chunk order.
 the same closed-loop workload (by default the built-in model, 64 concurrent
 streams, 64-token prompts, 32 new tokens, greedy):
 
-* the baselines of :mod:`tools.baselines` (``ceiling``, ``engine``,
+* the baselines of :mod:`ringstream.tools.baselines` (``ceiling``, ``engine``,
   ``naive``, ``seed``, ``hf-cb``);
 * ``daemon``: a real ``ringstream serve`` child process driven through its
   socket by the load generator, and its CPU use while idle;
@@ -45,13 +45,13 @@ from pathlib import Path
 # (daemon.supervisor.HUGE_PAGES_ENV); PyTorch reads this at its first allocation.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-from tools import bench_kv  # noqa: E402
-from tools.bench_stats import RequestRecord, cdf, itl_samples, summarize, timeline  # noqa: E402
-from tools.loadgen import Dist, LoadConfig, WorkloadError, WorkloadSpec, parse_priority_mix, run_load  # noqa: E402
+from ringstream.tools import bench_kv  # noqa: E402
+from ringstream.tools.bench_stats import RequestRecord, cdf, itl_samples, summarize, timeline  # noqa: E402
+from ringstream.tools.loadgen import Dist, LoadConfig, WorkloadError, WorkloadSpec, parse_priority_mix, run_load  # noqa: E402
 
 PROG = "ringstream-bench"
 IN_PROCESS_SYSTEMS = ("ceiling", "engine", "hf-cb", "seed", "naive")
-"""Baselines run in the benchmark's own process (:mod:`tools.baselines`), in this order."""
+"""Baselines run in the benchmark's own process (:mod:`ringstream.tools.baselines`), in this order."""
 SYSTEMS = (*IN_PROCESS_SYSTEMS, "daemon")
 """Systems of the comparison, in the order they run."""
 SETTLE_S = 0.5
@@ -229,7 +229,7 @@ class _CpuMeter:
 
     @staticmethod
     def _seconds(processes: list) -> float:
-        from tools.bench_serving import process_cpu_seconds
+        from ringstream.tools.bench_serving import process_cpu_seconds
 
         return sum(process_cpu_seconds(proc) for proc in processes)
 
@@ -304,9 +304,9 @@ def _in_process_parts(settings: CompareSettings, report: _Report, info, spec: Wo
     """ceiling, engine, hf-cb, seed, naive: one model in this process."""
     from transformers import AutoTokenizer
 
-    from daemon.engine import Engine
-    from daemon.model import load_model, load_tokenizer
-    from tools import baselines
+    from ringstream.daemon.engine import Engine
+    from ringstream.daemon.model import load_model, load_tokenizer
+    from ringstream.tools import baselines
 
     stream = spec.requests()
     prompts = [next(stream).prompt_token_ids for _ in range(settings.requests)]
@@ -384,7 +384,7 @@ def _daemon_part(settings: CompareSettings, report: _Report, name: str, serve_ar
 
     import psutil
 
-    from tools.bench_serving import idle_cpu_percent, running_daemon, write_config
+    from ringstream.tools.bench_serving import idle_cpu_percent, running_daemon, write_config
 
     serve_config = {"worker_threads": settings.torch_threads(), "dtype": settings.dtype} | (config or {})
     with tempfile.TemporaryDirectory(prefix="ringstream-bench-config-") as tmp:
@@ -421,7 +421,7 @@ def _daemon_part(settings: CompareSettings, report: _Report, name: str, serve_ar
 
 def _serving_parts(settings: CompareSettings, report: _Report, spec: WorkloadSpec) -> None:
     """daemon, synthetic daemon, zmq ceiling, load-generator ceiling."""
-    from tools.bench_serving import loadgen_ceiling, synthetic_engine_support, zmq_ceiling
+    from ringstream.tools.bench_serving import loadgen_ceiling, synthetic_engine_support, zmq_ceiling
 
     _guard(report, "daemon", lambda: _daemon_part(settings, report, "daemon", [], spec, settings.requests, False,
                                                   settings.concurrency))
@@ -461,7 +461,7 @@ def compare(settings: CompareSettings, command: str = PROG) -> tuple[dict, dict[
     """
     import torch
 
-    from daemon.model import resolve_model_dir
+    from ringstream.daemon.model import resolve_model_dir
 
     threads = settings.torch_threads()
     torch.set_num_threads(threads)
@@ -477,8 +477,8 @@ def compare(settings: CompareSettings, command: str = PROG) -> tuple[dict, dict[
 
 
 def _private_mib(proc) -> float:
-    """Resident private anonymous memory of ``proc``, MiB (see :func:`tools.bench_serving.private_rss_bytes`)."""
-    from tools.bench_serving import private_rss_bytes
+    """Resident private anonymous memory of ``proc``, MiB (see :func:`ringstream.tools.bench_serving.private_rss_bytes`)."""
+    from ringstream.tools.bench_serving import private_rss_bytes
 
     return private_rss_bytes(proc.pid) / 2**20
 
@@ -794,7 +794,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_command(args: argparse.Namespace, command: str) -> int:
-    from daemon.model import resolve_model_dir
+    from ringstream.daemon.model import resolve_model_dir
 
     info = resolve_model_dir(args.model)
     workload = WorkloadSpec(

@@ -8,7 +8,7 @@ Runs the same workload twice, in one process, on the same model:
     the engine), then ``max_tokens - 1`` decode forwards of the whole batch
     with greedy argmax. No scheduling, no per-row positions or
     masks, no detokenization, no per-request bookkeeping.
-(b) engine: ``daemon.engine.Engine`` serving the prompts as independent greedy
+(b) engine: ``ringstream.daemon.engine.Engine`` serving the prompts as independent greedy
     requests (admission, per-row positions and masks, sampling, incremental
     detokenization, stop checks, one ``TokenOutput`` per token).
 
@@ -24,7 +24,7 @@ trained tokenizer.
 
 Usage::
 
-    python -m tools.bench_engine [--batch 64] [--prompt-len 64] [--max-tokens 32]
+    python -m ringstream.tools.bench_engine [--batch 64] [--prompt-len 64] [--max-tokens 32]
         [--repeats 3] [--threads N] [--model-dir DIR]
 """
 
@@ -44,7 +44,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch  # noqa: E402
 
-from daemon.engine import Engine, EngineRequest, SamplingParams
+from ringstream.daemon.engine import Engine, EngineRequest, SamplingParams
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "daemon" / "default_model"
 DEFAULT_BATCH = 64
@@ -175,7 +175,7 @@ def load(model_dir: Path | None):
     if model_dir is None and (DEFAULT_MODEL_DIR / "config.json").is_file():
         model_dir = DEFAULT_MODEL_DIR
     if model_dir is not None:
-        from daemon.model import load_model, load_tokenizer, resolve_model_dir
+        from ringstream.daemon.model import load_model, load_tokenizer, resolve_model_dir
 
         info = resolve_model_dir(model_dir)
         return load_model(info), load_tokenizer(info), str(info.path)

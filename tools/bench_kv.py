@@ -2,7 +2,7 @@
 
 Workloads, on a long-context random-weight Llama built from a config at run
 time (no download; 8,192 positions, 4 layers, 8 query / 4 KV heads of 32,
-float32, the built-in tokenizer), driving :class:`daemon.engine.Engine` in
+float32, the built-in tokenizer), driving :class:`ringstream.daemon.engine.Engine` in
 this process:
 
 (a) capacity: with ``kv_cache_bytes`` = 64 MiB, the most sequences of
@@ -52,7 +52,7 @@ def build_model(max_positions: int = LONG_CONTEXT, seed: int = 0):
     """A random-weight Llama of the workloads' shape, float32, eval mode, and the built-in tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from daemon.model import load_tokenizer, resolve_model_dir
+    from ringstream.daemon.model import load_tokenizer, resolve_model_dir
 
     torch.manual_seed(seed)
     config = LlamaConfig(
@@ -70,7 +70,7 @@ def _prompt(rng: torch.Generator, n: int) -> list[int]:
 
 
 def _engine(model, tokenizer, **kwargs):
-    from daemon.engine import Engine
+    from ringstream.daemon.engine import Engine
 
     engine = Engine(model, tokenizer, **kwargs)
     engine.warmup()
@@ -78,14 +78,14 @@ def _engine(model, tokenizer, **kwargs):
 
 
 def _greedy(max_tokens: int):
-    from daemon.engine import SamplingParams
+    from ringstream.daemon.engine import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
 def _drive(engine, arrivals: list[tuple[int, list[int], int]]):
     """Serve requests ``(arrival step, prompt, max_tokens)``; per handle: submit time, token times, tokens."""
-    from daemon.engine import EngineRequest
+    from ringstream.daemon.engine import EngineRequest
 
     submitted, times, tokens = {}, {}, {}
     pending = sorted(enumerate(arrivals), key=lambda item: item[1][0])
@@ -175,7 +175,7 @@ def decode_attention_cost(model, tokenizer, repeats: int) -> dict:
     The three batches run side by side, one step of each in turn, so that a
     busy host disturbs them alike; each figure is the median step.
     """
-    from daemon.engine import EngineRequest
+    from ringstream.daemon.engine import EngineRequest
 
     rng = torch.Generator().manual_seed(4)
     short = [DECODE_SHORT] * DECODING_STREAMS

@@ -7,7 +7,7 @@
 * :func:`synthetic_engine_support` tells whether this ringstream's ``serve``
   has ``--engine synthetic`` and ``--synthetic-step-ms``.
 * :func:`zmq_ceiling` measures how many small msgpack-encoded
-  ``ipc.protocol.Chunk`` messages one ZeroMQ DEALER in one process can push
+  ``ringstream.ipc.protocol.Chunk`` messages one ZeroMQ DEALER in one process can push
   to a ROUTER in another over an ipc socket, each encoded by the sender and
   decoded by the receiver: the most any single socket of the serving layer
   could carry, whatever else it does.
@@ -89,7 +89,7 @@ class DaemonUnderTest:
 
 def serve_command(instance: str, address: str, args: list[str]) -> list[str]:
     """The ``ringstream serve`` command line the benchmark runs (module form, this interpreter)."""
-    return [sys.executable, "-m", "daemon.cli", "serve", "--instance", instance, "--socket", address, *args]
+    return [sys.executable, "-m", "ringstream.daemon.cli", "serve", "--instance", instance, "--socket", address, *args]
 
 
 def toml_value(value: object) -> str:
@@ -124,7 +124,7 @@ def running_daemon(args: list[str], ready_timeout_s: float = READY_TIMEOUT_S):
     Raises:
         DaemonStartError: the daemon exited or was not ready in ``ready_timeout_s``.
     """
-    from ipc.client import Client, DaemonUnavailable
+    from ringstream.ipc.client import Client, DaemonUnavailable
 
     with tempfile.TemporaryDirectory(prefix="ringstream-bench-") as tmp:
         rundir = Path(tmp)
@@ -190,7 +190,7 @@ def synthetic_engine_support() -> str | None:
     """None if ``ringstream serve`` accepts ``--engine synthetic --synthetic-step-ms``, else the reason it does not."""
     try:
         out = subprocess.run(
-            [sys.executable, "-m", "daemon.cli", "serve", "--help"],
+            [sys.executable, "-m", "ringstream.daemon.cli", "serve", "--help"],
             capture_output=True, text=True, timeout=HELP_TIMEOUT_S, check=False,
         ).stdout
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -240,7 +240,7 @@ def _zmq_receiver(address: str, messages: int, conn) -> None:
     """Ceiling receiver: bind a ROUTER, decode ``messages`` chunks, report ``(first, last)`` arrival times."""
     import zmq
 
-    from ipc import protocol as P
+    from ringstream.ipc import protocol as P
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -266,7 +266,7 @@ def _zmq_sender(address: str, messages: int, conn) -> None:
     """Ceiling sender: connect a DEALER and send ``messages`` encoded chunks as fast as it can."""
     import zmq
 
-    from ipc import protocol as P
+    from ringstream.ipc import protocol as P
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -293,7 +293,7 @@ def zmq_ceiling(messages: int = ZMQ_DEFAULT_MESSAGES) -> dict:
     Raises:
         RuntimeError: a side failed or timed out.
     """
-    from ipc import protocol as P
+    from ringstream.ipc import protocol as P
 
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="ringstream-zmq-") as tmp:
@@ -339,8 +339,8 @@ def _stub_daemon(address: str, stop, conn) -> None:
     """
     import zmq
 
-    from daemon.synthetic import synthetic_text
-    from ipc import protocol as P
+    from ringstream.daemon.synthetic import synthetic_text
+    from ringstream.ipc import protocol as P
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -375,7 +375,7 @@ def _stub_daemon(address: str, stop, conn) -> None:
 
 
 def loadgen_ceiling(config, workload) -> dict:
-    """Run the load generator (``tools.loadgen.LoadConfig``, address ignored) against a stub daemon.
+    """Run the load generator (``ringstream.tools.loadgen.LoadConfig``, address ignored) against a stub daemon.
 
     Returns ``{"tok_s", "req_s", "requests", "order_violations"}``.
 
@@ -384,8 +384,8 @@ def loadgen_ceiling(config, workload) -> dict:
     """
     from dataclasses import replace
 
-    from tools.bench_stats import summarize
-    from tools.loadgen import run_load
+    from ringstream.tools.bench_stats import summarize
+    from ringstream.tools.loadgen import run_load
 
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="ringstream-stub-") as tmp:

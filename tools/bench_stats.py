@@ -51,7 +51,7 @@ class RequestRecord:
         chunk_tokens: tokens in each of those chunks (parallel to ``chunk_times``).
         seqs: ``seq`` of every chunk received, terminal one included.
         priority: the request's priority.
-        error: error code if the request failed (``ipc.protocol.ErrorCode``
+        error: error code if the request failed (``ringstream.ipc.protocol.ErrorCode``
             value, :data:`ERROR_ORDER`, or an exception class name), else None.
         finish_reason: finish reason of the terminal chunk, if any.
         order_errors: order errors detected before a chunk was handed over

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
-from tools.bench_stats import ERROR_ORDER, RequestRecord
+from ringstream.tools.bench_stats import ERROR_ORDER, RequestRecord
 
 DEFAULT_SEED = 1234
 FIRST_ORDINARY_TOKEN_ID = 3
@@ -250,10 +250,10 @@ class LoadResult:
 def expected_synthetic_text(tokens: int, first_seq: int = 0) -> str:
     """Text the synthetic engine streams for output tokens ``first_seq .. first_seq + tokens - 1``.
 
-    Imports :mod:`daemon.synthetic`, hence torch: call it first outside any
+    Imports :mod:`ringstream.daemon.synthetic`, hence torch: call it first outside any
     measured interval.
     """
-    from daemon.synthetic import synthetic_text
+    from ringstream.daemon.synthetic import synthetic_text
 
     return "".join(synthetic_text(seq) for seq in range(first_seq, first_seq + tokens))
 
@@ -279,7 +279,7 @@ async def _stream_one(
     client, spec: RequestSpec, config: LoadConfig, clock: Callable[[], float], text_check: SyntheticTextCheck | None
 ) -> RequestRecord:
     """Send one request through ``client`` and record its chunks (and check its text with ``text_check``)."""
-    from ipc.client import DaemonUnavailable, ServerError, StreamOrderError
+    from ringstream.ipc.client import DaemonUnavailable, ServerError, StreamOrderError
 
     record = RequestRecord(start=clock(), priority=spec.priority)
     texts: list[str] = []
@@ -329,7 +329,7 @@ async def _drive(config: LoadConfig, specs: Iterator[RequestSpec], start_at: flo
     ``start_at``: wall-clock instant (``time.time()``) to start at; None: as
     soon as the daemon reports ready.
     """
-    from ipc.client import AsyncClient
+    from ringstream.ipc.client import AsyncClient
 
     text_check = SyntheticTextCheck() if config.check_text else None
     clients = [AsyncClient(config.address) for _ in range(config.clients)]
@@ -445,7 +445,7 @@ def run_load(config: LoadConfig, workload: WorkloadSpec, model_dir: str | Path |
     if config.procs == 1:
         return _run_in_process(config, workload, model_dir, None)
 
-    from ipc.client import Client
+    from ringstream.ipc.client import Client
 
     with Client(config.address) as client:
         client.wait_ready(READY_TIMEOUT_S)
@@ -489,6 +489,6 @@ def run_load(config: LoadConfig, workload: WorkloadSpec, model_dir: str | Path |
 
 def load_workload_tokenizer(model_dir: str | Path | None):
     """The ``tokenizers.Tokenizer`` of a model directory (None: the built-in model)."""
-    from daemon.model import load_tokenizer, resolve_model_dir
+    from ringstream.daemon.model import load_tokenizer, resolve_model_dir
 
     return load_tokenizer(resolve_model_dir(model_dir))

@@ -23,7 +23,7 @@ without downloading weights.  Everything here works offline:
 
 Usage::
 
-    python -m tools.make_model --out daemon/default_model --minutes 10 --threads 2
+    python -m ringstream.tools.make_model --out daemon/default_model --minutes 10 --threads 2
 """
 
 from __future__ import annotations
@@ -542,9 +542,9 @@ def _positive_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Return the command-line parser of ``python -m tools.make_model``."""
+    """Return the command-line parser of ``python -m ringstream.tools.make_model``."""
     parser = argparse.ArgumentParser(
-        prog="python -m tools.make_model",
+        prog="python -m ringstream.tools.make_model",
         description="Train ringstream's default model offline from stdlib docstrings.",
     )
     parser.add_argument("--out", type=Path, required=True, help="output directory")

@@ -2,13 +2,13 @@
 
 Each worker process of a daemon instance streams its tokens to the front
 through one shared-memory ring, ``/dev/shm/ringstream-<instance>-w<index>``
-(layout in :mod:`ipc.ring`).  This tool maps every ring of the instance
-read-only with :class:`ipc.ring.RingObserver`, follows the records as the
+(layout in :mod:`ringstream.ipc.ring`).  This tool maps every ring of the instance
+read-only with :class:`ringstream.ipc.ring.RingObserver`, follows the records as the
 worker publishes them, and shows per worker: the ring header, the positions
 and fill level, records and bytes per second, the waiting flags, the requests
 in flight with their last ``seq``, and how the requests it saw ended.
 
-It imports only :mod:`ipc.ring`, :mod:`ipc.protocol`, msgspec and rich, so it
+It imports only :mod:`ringstream.ipc.ring`, :mod:`ringstream.ipc.protocol`, msgspec and rich, so it
 runs without the daemon's code or torch.  It never writes to a ring, takes no
 lock the daemon uses and owns nothing, so it can be killed at any moment
 without effect on the daemon.  What it reports is sampled: a follower that
@@ -50,8 +50,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from ipc import protocol as P
-from ipc.ring import (
+from ringstream.ipc import protocol as P
+from ringstream.ipc.ring import (
     KIND_ERROR,
     KIND_FINISH,
     KIND_TOKEN,
@@ -84,7 +84,7 @@ POLL_PERIOD_S = 0.02
 """How often every ring is followed while sampling, seconds."""
 RING_NAME_FORMAT = "ringstream-{instance}-w{index}"
 """Segment name of worker ``index``'s ring; must match the daemon's
-``daemon.supervisor.ring_name`` (checked by the tests)."""
+``ringstream.daemon.supervisor.ring_name`` (checked by the tests)."""
 WORKER_INDEX_PATTERN = r"(\d+)"
 
 EXIT_OK = 0

@@ -3,9 +3,9 @@
 The drivers below are shared by the CI tests (``tests/reliability/``, seconds
 each) and by the soak run (minutes; not run in CI)::
 
-    python -m tools.soak                       # every phase, about 6 minutes on 2 cores
-    python -m tools.soak --phase-s 60 --json soak.json
-    python -m tools.soak probe ADDRESS SECONDS # heartbeat round-trip probe, JSON on stdout
+    python -m ringstream.tools.soak                       # every phase, about 6 minutes on 2 cores
+    python -m ringstream.tools.soak --phase-s 60 --json soak.json
+    python -m ringstream.tools.soak probe ADDRESS SECONDS # heartbeat round-trip probe, JSON on stdout
 
 Each phase starts its own daemon (``ringstream serve`` in a child process,
 private socket, unique instance name), drives it, stops it, and checks that
@@ -55,9 +55,9 @@ import msgspec
 import psutil
 import zmq
 
-from ipc import protocol as P
-from ipc.client import AsyncClient, Client, ServerError
-from tools.bench_serving import private_rss_bytes, stop_daemon
+from ringstream.ipc import protocol as P
+from ringstream.ipc.client import AsyncClient, Client, ServerError
+from ringstream.tools.bench_serving import private_rss_bytes, stop_daemon
 
 SEGMENT_GLOB = "/dev/shm/ringstream-{instance}-*"
 READY_TIMEOUT_S = 120.0
@@ -72,7 +72,7 @@ PROBE_INTERVAL_S = 0.01
 SYNTHETIC_VOCAB = 4096
 """Vocabulary of the built-in model, which the synthetic engine's token ids wrap around."""
 SYNTHETIC_TEXT = " t{}"
-"""Text of synthetic token number ``seq`` (see daemon.synthetic.synthetic_text)."""
+"""Text of synthetic token number ``seq`` (see ringstream.daemon.synthetic.synthetic_text)."""
 MIB = 2**20
 RSS_SAMPLES = 4
 """The overload and hostile phases sample the front's RSS this many times (plus once before)."""
@@ -142,7 +142,7 @@ def soak_daemon(workdir: Path, *args: str, config: str = "", env: dict | None = 
     config_path = workdir / f"{instance}.toml"
     config_path.write_text(config)
     log_path = workdir / f"{instance}.log"
-    cmd = [sys.executable, "-m", "daemon.cli", "serve", "--instance", instance, "--socket", address,
+    cmd = [sys.executable, "-m", "ringstream.daemon.cli", "serve", "--instance", instance, "--socket", address,
            "--config", str(config_path), *args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
@@ -529,7 +529,7 @@ def probe_heartbeats(address: str, duration_s: float, interval_s: float = PROBE_
 @contextlib.contextmanager
 def heartbeat_probe(address: str, duration_s: float):
     """Run :func:`probe_heartbeats` in a child process; yields a callable returning its round trips (s)."""
-    proc = subprocess.Popen([sys.executable, "-m", "tools.soak", "probe", address, str(duration_s)],
+    proc = subprocess.Popen([sys.executable, "-m", "ringstream.tools.soak", "probe", address, str(duration_s)],
                             stdout=subprocess.PIPE, text=True)
     out: list[float] = []
 
@@ -917,7 +917,7 @@ def soak_client_kills(workdir: Path, rounds: int) -> dict:
 
 STREAMING_CLIENT = """
 import sys
-from ipc.client import AsyncClient
+from ringstream.ipc.client import AsyncClient
 import asyncio
 
 async def main(address, streams, max_tokens):
@@ -958,7 +958,7 @@ def soak_restarts(workdir: Path, cycles: int) -> dict:
     leaked_pids = []
     for _ in range(cycles):
         proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon.cli", "serve", "--instance", instance, "--engine", "synthetic",
+            [sys.executable, "-m", "ringstream.daemon.cli", "serve", "--instance", instance, "--engine", "synthetic",
              "--devices", "cpu", "--socket", f"ipc://{workdir}/{instance}.sock"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, XDG_RUNTIME_DIR=str(workdir)))
         wait_for(lambda: glob.glob(SEGMENT_GLOB.format(instance=instance)) or proc.poll() is not None, 60.0, 0.01)
@@ -983,8 +983,8 @@ def soak_restarts(workdir: Path, cycles: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tools.soak``: run the soak phases and print their figures (exit 1 if any check failed)."""
-    parser = argparse.ArgumentParser(prog="python -m tools.soak", description=__doc__.split("\n\n")[0])
+    """``python -m ringstream.tools.soak``: run the soak phases and print their figures (exit 1 if any check failed)."""
+    parser = argparse.ArgumentParser(prog="python -m ringstream.tools.soak", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command")
     probe = sub.add_parser("probe", help="heartbeat round trips for SECONDS, as a JSON list on stdout")
     probe.add_argument("address")

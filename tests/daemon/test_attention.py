@@ -20,11 +20,11 @@ import random
 import pytest
 import torch
 
-import daemon.kv_cache as kv_cache
-from daemon.attention import PAGED_ATTENTION, dense_attention, paged_attention, use_paged_attention
-from daemon.block_manager import NULL_BLOCK
-from daemon.engine import Engine, EngineRequest, SamplingParams
-from daemon.kv_cache import DECODE_GROUP_MIN_TOKENS, DECODE_GROUP_RATIO, PagedKVCache, build_metadata
+import ringstream.daemon.kv_cache as kv_cache
+from ringstream.daemon.attention import PAGED_ATTENTION, dense_attention, paged_attention, use_paged_attention
+from ringstream.daemon.block_manager import NULL_BLOCK
+from ringstream.daemon.engine import Engine, EngineRequest, SamplingParams
+from ringstream.daemon.kv_cache import DECODE_GROUP_MIN_TOKENS, DECODE_GROUP_RATIO, PagedKVCache, build_metadata
 from tests.factories import load_model, load_tokenizer, make_tiny_model_dir
 
 CPU = torch.device("cpu")

@@ -15,9 +15,9 @@ import msgspec
 import pytest
 import zmq
 
-from daemon.model import load_model, load_tokenizer, resolve_model_dir
-from ipc import protocol as P
-from ipc.client import AsyncClient, Client, PromptTooLong, QueueFull
+from ringstream.daemon.model import load_model, load_tokenizer, resolve_model_dir
+from ringstream.ipc import protocol as P
+from ringstream.ipc.client import AsyncClient, Client, PromptTooLong, QueueFull
 from tests.daemon_helpers import wait_exit, running_daemon
 
 MAX_TOKENS = 32
@@ -352,7 +352,7 @@ def test_workers_exit_when_the_front_is_killed(tmp_path):
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "daemon.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "ringstream.daemon.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_cli_generate_and_status(daemon):

@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from daemon.engine import (
+from ringstream.daemon.engine import (
     CapacityError,
     Engine,
     EngineError,
@@ -111,9 +111,9 @@ def tiny(tmp_path_factory) -> Model:
 
 
 def load_default_model() -> Model:
-    from daemon.model import load_model as load_daemon_model
-    from daemon.model import load_tokenizer as load_daemon_tokenizer
-    from daemon.model import resolve_model_dir
+    from ringstream.daemon.model import load_model as load_daemon_model
+    from ringstream.daemon.model import load_tokenizer as load_daemon_tokenizer
+    from ringstream.daemon.model import resolve_model_dir
 
     info = resolve_model_dir(DEFAULT_MODEL_DIR)
     return Model(load_daemon_model(info), load_daemon_tokenizer(info), info.eos_token_ids)

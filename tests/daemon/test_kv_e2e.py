@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from ipc.client import Client, PromptTooLong
+from ringstream.ipc.client import Client, PromptTooLong
 from tests.daemon_helpers import running_daemon
 
 BLOCK_SIZE = 8
@@ -74,7 +74,7 @@ def test_more_streams_than_the_pool_holds_all_finish_whole(daemon):
     """8 streams of 104 tokens need 104 blocks of a 63-block pool: the worker preempts and resumes."""
     import asyncio
 
-    from ipc.client import AsyncClient
+    from ringstream.ipc.client import AsyncClient
 
     async def main():
         async with AsyncClient(daemon.address) as client:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.model import (
+from ringstream.daemon.model import (
     DEFAULT_MODEL_DIR,
     ModelError,
     ModelInfo,
@@ -251,7 +251,7 @@ def test_module_import_stays_free_of_torch():
 def test_make_model_smoke(tmp_path):
     import torch
 
-    from tools import make_model
+    from ringstream.tools import make_model
 
     out = tmp_path / "tiny"
     threads = torch.get_num_threads()

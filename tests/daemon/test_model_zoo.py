@@ -18,8 +18,8 @@ import torch
 import transformers as T
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from daemon.engine import Engine, EngineRequest, SamplingParams
-from daemon.model import ModelError
+from ringstream.daemon.engine import Engine, EngineRequest, SamplingParams
+from ringstream.daemon.model import ModelError
 from tests.factories import TINY_VOCAB_SIZE, make_tokenizer
 
 WINDOW = 12

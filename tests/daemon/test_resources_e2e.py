@@ -5,8 +5,8 @@ from __future__ import annotations
 import glob
 import uuid
 
-from ipc.client import Client
-from ipc.ring import RingConsumer
+from ringstream.ipc.client import Client
+from ringstream.ipc.ring import RingConsumer
 from tests.daemon_helpers import running_daemon, wait_exit
 
 

@@ -3,7 +3,7 @@
 import itertools
 import random
 
-from daemon.scheduler import Scheduler, SchedulerPolicy, WorkerBudget
+from ringstream.daemon.scheduler import Scheduler, SchedulerPolicy, WorkerBudget
 
 _ids = itertools.count()
 

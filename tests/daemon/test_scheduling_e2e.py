@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from ipc.client import AsyncClient, Client, InvalidRequest
+from ringstream.ipc.client import AsyncClient, Client, InvalidRequest
 from tests.daemon_helpers import running_daemon
 
 # These tests time a real daemon on a shared 2-core host; one rerun absorbs a scheduling hiccup of the

@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from ipc.client import AsyncClient, Client, WorkerFailed
+from ringstream.ipc.client import AsyncClient, Client, WorkerFailed
 from tests.daemon_helpers import running_daemon
 
 PROMPTS = ["The socket module", "Return the", "A list of", "If the file"]

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from daemon.engine import BaseEngine, CapacityError, Engine, EngineError, EngineRequest, SamplingParams
-from daemon.synthetic import SyntheticEngine, synthetic_text, synthetic_token_id
+from ringstream.daemon.engine import BaseEngine, CapacityError, Engine, EngineError, EngineRequest, SamplingParams
+from ringstream.daemon.synthetic import SyntheticEngine, synthetic_text, synthetic_token_id
 from tests.daemon_helpers import running_daemon
 from tests.factories import load_model, load_tokenizer, make_tiny_model_dir
 
@@ -265,8 +265,8 @@ def test_same_batching_semantics_as_engine(tmp_path):
 
 def test_daemon_streams_synthetic_tokens(tmp_path):
     """End to end through a daemon started with ``--engine synthetic``."""
-    from ipc.client import Client
-    from tools.bench_serving import synthetic_engine_support
+    from ringstream.ipc.client import Client
+    from ringstream.tools.bench_serving import synthetic_engine_support
 
     reason = synthetic_engine_support()
     if reason is not None:

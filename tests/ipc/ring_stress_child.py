@@ -11,7 +11,7 @@ import random
 import select
 import zlib
 
-from ipc.ring import KIND_FINISH, KIND_TOKEN, RingProducer
+from ringstream.ipc.ring import KIND_FINISH, KIND_TOKEN, RingProducer
 
 PAYLOAD_SEED = 20240601
 PAYLOAD_POOL_SIZE = 4096

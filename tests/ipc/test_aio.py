@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import zmq
 
-from ipc.aio import SocketPump
+from ringstream.ipc.aio import SocketPump
 
 
 @pytest.fixture

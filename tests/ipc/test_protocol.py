@@ -5,7 +5,7 @@ import math
 import msgspec
 import pytest
 
-from ipc import protocol as P
+from ringstream.ipc import protocol as P
 
 CLIENT_MESSAGES = [
     P.Generate(id="a", prompt="hello", max_tokens=8, temperature=0.0, stop=["\n"], seed=3, priority=-2),

@@ -22,8 +22,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ipc import ring as ring_module
-from ipc.ring import (
+from ringstream.ipc import ring as ring_module
+from ringstream.ipc.ring import (
     HEADER_SIZE,
     KIND_ERROR,
     KIND_FINISH,

@@ -1,4 +1,4 @@
-"""Small helpers shared by the reliability tests (the drivers themselves live in :mod:`tools.soak`)."""
+"""Small helpers shared by the reliability tests (the drivers themselves live in :mod:`ringstream.tools.soak`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import psutil
 
-from ipc import protocol as P
-from ipc.client import Client
+from ringstream.ipc import protocol as P
+from ringstream.ipc.client import Client
 
 MIB = 2**20
 

@@ -14,12 +14,12 @@ import time
 import pytest
 import zmq
 
-from daemon.front import HOUSEKEEPING_S, STUCK_GIVE_UP_FACTOR
-from ipc import protocol as P
-from ipc.client import Client, DaemonUnavailable
+from ringstream.daemon.front import HOUSEKEEPING_S, STUCK_GIVE_UP_FACTOR
+from ringstream.ipc import protocol as P
+from ringstream.ipc.client import Client, DaemonUnavailable
 from tests.daemon_helpers import running_daemon
 from tests.reliability.helpers import MIB, killed_on_exit, rss, status, write_config
-from tools.soak import check_synthetic_stream, gauges_idle, raw_socket, start_streaming_client, wait_for
+from ringstream.tools.soak import check_synthetic_stream, gauges_idle, raw_socket, start_streaming_client, wait_for
 
 CLIENT_TIMEOUT_S = 1.0
 STEP_S = 0.005

@@ -13,11 +13,11 @@ import msgspec
 import pytest
 import zmq
 
-from ipc import protocol as P
-from ipc.client import Client
+from ringstream.ipc import protocol as P
+from ringstream.ipc.client import Client
 from tests.daemon_helpers import running_daemon
 from tests.reliability.helpers import MIB, rss, status, write_config
-from tools.soak import (
+from ringstream.tools.soak import (
     HOSTILE_KINDS, VictimStreams, heartbeat_probe, hostile_frames, oversize_frames, raw_socket, run_barrage,
 )
 
@@ -133,8 +133,8 @@ def _until_terminal(sock: zmq.Socket, rid: str, timeout_s: float = 60.0) -> list
 
 def test_a_long_prompt_is_tokenised_off_the_loop_with_the_same_result(daemon):
     """Above INLINE_TOKENIZE_CHARS the front tokenises on a thread: same tokens, and Cancel still finds the id."""
-    from daemon.front import INLINE_TOKENIZE_CHARS
-    from daemon.model import load_tokenizer, resolve_model_dir
+    from ringstream.daemon.front import INLINE_TOKENIZE_CHARS
+    from ringstream.daemon.model import load_tokenizer, resolve_model_dir
 
     prompt = "Return the table\n" + "-" * (INLINE_TOKENIZE_CHARS + 1000)  # 32 characters a token: fits the context
     ids = load_tokenizer(resolve_model_dir(None)).encode(prompt).ids
@@ -159,7 +159,7 @@ def test_a_long_prompt_is_tokenised_off_the_loop_with_the_same_result(daemon):
 
 def test_a_heartbeat_naming_every_possible_id_is_answered_briefly(daemon):
     """Open ids a daemon does not know get UNKNOWN_REQUEST, a bounded number per heartbeat (no amplification)."""
-    from daemon.front import MAX_UNKNOWN_ANSWERS
+    from ringstream.daemon.front import MAX_UNKNOWN_ANSWERS
 
     frame = P.encode(P.Heartbeat(open_ids=[f"{i:x}" for i in range(P.MAX_OPEN_IDS)]))
     ctx = zmq.Context()

@@ -22,12 +22,12 @@ import msgspec
 import pytest
 import zmq.auth
 
-from daemon import cli
-from daemon.config import load_config
-from ipc.client import Client, DaemonUnavailable, InvalidRequest
+from ringstream.daemon import cli
+from ringstream.daemon.config import load_config
+from ringstream.ipc.client import Client, DaemonUnavailable, InvalidRequest
 from tests.daemon_helpers import running_daemon
 from tests.reliability.helpers import write_config
-from tools import ringtop
+from ringstream.tools import ringtop
 
 NOBODY = 65534
 CHILD_ALARM_S = 30

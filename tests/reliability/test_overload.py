@@ -14,12 +14,12 @@ import weakref
 
 import pytest
 
-from daemon.front import HOUSEKEEPING_S
-from daemon.scheduler import Scheduler, SchedulerPolicy, WorkerBudget
-from ipc import protocol as P
+from ringstream.daemon.front import HOUSEKEEPING_S
+from ringstream.daemon.scheduler import Scheduler, SchedulerPolicy, WorkerBudget
+from ringstream.ipc import protocol as P
 from tests.daemon_helpers import running_daemon
 from tests.reliability.helpers import MIB, rss, status, write_config
-from tools.soak import gauges_idle, offer_load, percentile, wait_for
+from ringstream.tools.soak import gauges_idle, offer_load, percentile, wait_for
 
 # Timed against a real daemon on a shared 2-core host: one rerun absorbs a host hiccup.
 pytestmark = pytest.mark.flaky(reruns=2)

@@ -14,11 +14,11 @@ import uuid
 import psutil
 import pytest
 
-from daemon.supervisor import open_files_needed
-from ipc.client import Client
+from ringstream.daemon.supervisor import open_files_needed
+from ringstream.ipc.client import Client
 from tests.daemon_helpers import running_daemon, wait_exit
 from tests.reliability.helpers import write_config
-from tools.soak import wait_for
+from ringstream.tools.soak import wait_for
 
 START_FAILURE_S = 60.0
 CYCLES = 20
@@ -41,7 +41,7 @@ def test_a_dev_shm_too_small_for_the_default_rings_is_a_clear_start_error(tmp_pa
     if probe.returncode != 0:
         pytest.skip("needs unshare --mount (root or CAP_SYS_ADMIN)")
     instance = f"shm{uuid.uuid4().hex[:8]}"
-    serve = [sys.executable, "-m", "daemon.cli", "serve", "--instance", instance, *SYNTHETIC,
+    serve = [sys.executable, "-m", "ringstream.daemon.cli", "serve", "--instance", instance, *SYNTHETIC,
              "--socket", f"ipc://{tmp_path}/{instance}.sock"]
     script = 'mount -t tmpfs -o size=64k tmpfs /dev/shm && exec "$@"'
     result = subprocess.run(["unshare", "--mount", "sh", "-c", script, "sh", *serve], capture_output=True, text=True,

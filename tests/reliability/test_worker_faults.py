@@ -15,10 +15,10 @@ from collections import Counter
 
 import pytest
 
-from ipc.client import Client
+from ringstream.ipc.client import Client
 from tests.daemon_helpers import running_daemon
 from tests.reliability.helpers import status, write_config
-from tools.soak import check_synthetic_stream, gauges_idle, run_streams, wait_for
+from ringstream.tools.soak import check_synthetic_stream, gauges_idle, run_streams, wait_for
 
 STEP_MS = 5.0
 STALL_S = 1.0

@@ -10,9 +10,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from daemon.config import Config, load_config
-from daemon.front import ABORT_GRACE_S
-from daemon.supervisor import JOIN_GRACE_S
+from ringstream.daemon.config import Config, load_config
+from ringstream.daemon.front import ABORT_GRACE_S
+from ringstream.daemon.supervisor import JOIN_GRACE_S
 
 SYSTEMD_DIR = Path(__file__).resolve().parents[2] / "systemd"
 UNIT = SYSTEMD_DIR / "ringstream.service"

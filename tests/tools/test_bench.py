@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from tools import bench
-from tools.bench_serving import synthetic_engine_support, toml_value, zmq_ceiling
-from tools.bench_stats import (
+from ringstream.tools import bench
+from ringstream.tools.bench_serving import synthetic_engine_support, toml_value, zmq_ceiling
+from ringstream.tools.bench_stats import (
     ERROR_ORDER,
     RequestRecord,
     cdf,
@@ -23,7 +23,7 @@ from tools.bench_stats import (
     summarize,
     timeline,
 )
-from tools.loadgen import Dist, LoadConfig, WorkloadError, WorkloadSpec, expected_synthetic_text, parse_priority_mix
+from ringstream.tools.loadgen import Dist, LoadConfig, WorkloadError, WorkloadSpec, expected_synthetic_text, parse_priority_mix
 
 SMOKE_TIMEOUT_S = 120
 
@@ -213,7 +213,7 @@ def test_serve_has_the_synthetic_engine_flags():
     reason = synthetic_engine_support()
     if reason is not None:
         pytest.skip(f"synthetic serving-layer benchmark not runnable: {reason}")
-    out = subprocess.run([sys.executable, "-m", "daemon.cli", "serve", "--help"], capture_output=True, text=True).stdout
+    out = subprocess.run([sys.executable, "-m", "ringstream.daemon.cli", "serve", "--help"], capture_output=True, text=True).stdout
     assert "--synthetic-step-ms" in out
 
 

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from ipc import protocol as P
-from ipc.client import Client
-from ipc.ring import (
+from ringstream.ipc import protocol as P
+from ringstream.ipc.client import Client
+from ringstream.ipc.ring import (
     KIND_ERROR,
     KIND_FINISH,
     KIND_TOKEN,
@@ -36,7 +36,7 @@ from ipc.ring import (
     RingProducer,
 )
 from tests.daemon_helpers import running_daemon
-from tools import ringtop
+from ringstream.tools import ringtop
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CAPACITY = 64 * 1024
@@ -123,7 +123,7 @@ def populate(consumer: RingConsumer, producer: RingProducer) -> None:
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "tools.ringtop", *args],
+        [sys.executable, "-m", "ringstream.tools.ringtop", *args],
         capture_output=True,
         text=True,
         cwd=REPO_ROOT,
@@ -395,7 +395,7 @@ def live_ringtop(instance: str) -> Iterator[tuple[subprocess.Popen[bytes], PtyOu
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", LIVE_ROWS, LIVE_COLUMNS, 0, 0))
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tools.ringtop", "--instance", instance,
+            [sys.executable, "-m", "ringstream.tools.ringtop", "--instance", instance,
              "--interval", LIVE_INTERVAL_S],
             stdin=slave, stdout=slave, stderr=slave, cwd=REPO_ROOT,
             env=dict(os.environ, TERM="xterm-256color"),
