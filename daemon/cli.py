@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
                        help="do not reuse the KV blocks of common prompt prefixes")
     serve.add_argument("--queue-size", type=int, help="waiting requests at most")
-    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--log-level", type=str.lower, choices=["debug", "info", "warning", "error"])
 
     gen = sub.add_parser("generate", formatter_class=defaults, help="stream one generation to stdout")
     _add_address(gen)
@@ -233,6 +233,8 @@ def _admin(args: argparse.Namespace) -> int:
         print(f"ringstream: {exc}", file=sys.stderr)
         return 1
     print(" ".join(f"{k}={v}" for k, v in reply.settings.items()))
+    for note in reply.notes:
+        print(f"ringstream: note: {note}", file=sys.stderr)
     return 0
 
 

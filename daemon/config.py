@@ -233,6 +233,8 @@ def load_config(path: str | Path | None = None, **overrides) -> Config:
         except (OSError, msgspec.DecodeError) as exc:
             raise ValueError(f"config {path}: {exc}") from exc
     data.update({k: v for k, v in overrides.items() if v is not None})
+    if isinstance(data.get("log_level"), str):
+        data["log_level"] = data["log_level"].lower()  # DEBUG or debug
     try:
         config = msgspec.convert(data, Config)
     except msgspec.ValidationError as exc:

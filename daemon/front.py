@@ -53,6 +53,7 @@ from ringstream.daemon.metrics import Metrics
 from ringstream.daemon.model import ModelInfo, load_tokenizer, resolve_model_dir
 from ringstream.daemon.notify import Notifier, WatchdogGate
 from ringstream.daemon.scheduler import Scheduler, SchedulerPolicy, WorkerBudget
+from ringstream.daemon.settings import LIVE_SETTINGS, change_settings, reload_changes
 from ringstream.daemon.supervisor import (
     JOIN_GRACE_S, InstanceLock, StartupError, WorkerProcess, create_workers, ensure_open_files, open_files_needed,
     release_workers, spawn, stop_process,
@@ -84,11 +85,6 @@ ABORT_GRACE_S = 2.0
 """At shutdown, how long aborted streams get to be confirmed by their worker."""
 TIMEOUT_MARGIN_S = 10.0
 """Slack added to the start/stop times announced to systemd (EXTEND_TIMEOUT_USEC)."""
-LIVE_SETTINGS = (
-    "max_concurrency", "queue_size", "priority_queue_limits", "queue_full_policy", "aging_rate", "preemption",
-    "timeout_s", "queue_timeout_s", "client_timeout_s", "drain_timeout_s", "log_level",
-)
-"""Config fields that ``Admin`` and SIGHUP change without a restart; the others need one."""
 STUCK_GIVE_UP_FACTOR = 2
 """A client that has not read for ``client_timeout_s`` has its requests cancelled; their terminal
 messages stay pending until it reads, for at most this many ``client_timeout_s`` in all."""
@@ -155,6 +151,10 @@ class Request:
     """Worker asked to drop this request for a preemption, until it confirms."""
     worker_failures: int = 0
     last_token: float = 0.0
+    queued_at: float = 0.0
+    """When it last entered the queue (arrival, or back after a preemption or a worker's exit); 0 while not queued."""
+    queue_time: float = 0.0
+    """Seconds spent queued before its earlier dispatches (the whole wait, reported in ``Usage.queue_time_s``)."""
 
     @property
     def priority(self) -> int:
@@ -528,7 +528,7 @@ class Front:
                                        message=f"worker {worker.index} exited {req.worker_failures} time(s) "
                                                f"while running this request"))
             else:
-                self.scheduler.requeue(req)  # resumes from prompt + tokens already streamed, on a live worker
+                self._requeue(req)  # resumes from prompt + tokens already streamed, on a live worker
         if self.state == "starting":
             self.request_stop(exit_code=1)
         elif self.state == "serving":
@@ -596,13 +596,19 @@ class Front:
 
     def _preemption_done(self, req: Request, finish: P.Finish) -> bool:
         """A preempted request's worker confirmed the abort: back to the queue, resumable."""
-        if req.preempted_from is None:
+        worker, req.preempted_from = req.preempted_from, None
+        if worker is None:
             return False
-        req.preempted_from = None
         if req.abort_reason is not None or finish.finish_reason != P.FinishReason.CANCELLED:
             return False  # it ended anyway (finished first, or its client cancelled meanwhile)
-        self.scheduler.requeue(req)
+        log.info("request %s (priority %d) preempted on worker %d after %d tokens; back in the queue",
+                 req.id, req.priority, worker, len(req.output_token_ids))
+        self._requeue(req)
         return True
+
+    def _requeue(self, req: Request) -> None:
+        req.queued_at = time.monotonic()
+        self.scheduler.requeue(req)
 
     def _on_token(self, req: Request, rec) -> None:
         if rec.seq != req.next_token_seq:
@@ -729,7 +735,7 @@ class Front:
         if self.state not in ("starting", "serving"):
             self._reply(identity, P.Error(id=msg.id, code=P.ErrorCode.SHUTTING_DOWN, message="daemon is shutting down"))
             return
-        req = Request(identity, msg.id, next(self.handles), msg, [], now)
+        req = Request(identity, msg.id, next(self.handles), msg, [], now, queued_at=now)
         if msg.prompt is not None and len(msg.prompt) > INLINE_TOKENIZE_CHARS:
             self._tokenize_off_loop(req, connection)
             return
@@ -843,11 +849,12 @@ class Front:
             self.counters["preemptions_total"] += 1
             self.metrics.preemptions.labels(str(index), "priority").inc()
             self.scheduler.workers[index].preemptions += 1
-            log.info("request %s (priority %d) preempted on worker %d after %d tokens",
-                     victim.id, victim.priority, index, len(victim.output_token_ids))
             self.workers[index].send(P.Abort(handle=victim.handle))
 
     def _assign(self, req: Request, index: int, now: float) -> None:
+        if req.queued_at:
+            req.queue_time += now - req.queued_at
+            req.queued_at = 0.0
         if not req.dispatched:
             req.dispatched = now
             self.metrics.queue_time.observe(now - req.arrival)
@@ -876,7 +883,7 @@ class Front:
         now = time.monotonic()
         usage = P.Usage(
             prompt_tokens=req.num_prompt_tokens, completion_tokens=len(req.output_token_ids),
-            queue_time_s=(req.dispatched or now) - req.arrival,
+            queue_time_s=req.queue_time + (now - req.queued_at if req.queued_at else 0.0),
             ttft_s=(req.first_token - req.arrival) if req.first_token else 0.0, e2e_s=now - req.arrival,
         )
         self._end(req, P.Chunk(id=req.id, seq=0, finish_reason=reason, stop_reason=stop_reason, usage=usage), flush)
@@ -1065,24 +1072,26 @@ class Front:
                                           message="admin is accepted only on an ipc socket (its file mode says who may)"))
             return
         try:
-            self.apply_settings(settings)
+            notes = self.apply_settings(settings)
         except ValueError as exc:
             self._reply(identity, P.Error(id=None, code=P.ErrorCode.INVALID_REQUEST, message=str(exc)))
             return
-        self._reply(identity, self.status())
+        self._reply(identity, self.status(notes))
 
-    def apply_settings(self, changes: dict) -> None:
-        """Change live settings (names in LIVE_SETTINGS); all or nothing. Raises ValueError naming the problem."""
-        unknown = sorted(set(changes) - set(LIVE_SETTINGS))
-        if unknown:
-            raise ValueError(f"not a live setting: {', '.join(unknown)} (live: {', '.join(LIVE_SETTINGS)})")
-        if "queue_timeout_s" in changes and changes["queue_timeout_s"] in (0, None):
-            changes = dict(changes, queue_timeout_s=None)
-        try:
-            config = msgspec.convert({**msgspec.structs.asdict(self.config), **changes}, Config, strict=False).check()
-        except msgspec.ValidationError as exc:
-            raise ValueError(str(exc)) from None
-        old_rate = self.config.aging_rate
+    def apply_settings(self, changes: dict) -> list[str]:
+        """Change live settings (names in LIVE_SETTINGS); all or nothing.
+
+        Returns notes on what takes effect differently from what was asked.
+        Raises ValueError naming the problem.
+        """
+        slots = [b.max_num_seqs for b in self.scheduler.workers if b.ready]
+        result = change_settings(self.config, changes, slots)
+        for note in result.notes:
+            log.warning("settings: %s", note)
+        if not result.changed:
+            log.info("settings unchanged (%s already in force)", ", ".join(sorted(changes)) or "nothing asked")
+            return list(result.notes)
+        config, old_rate = result.config, self.config.aging_rate
         self.config = config
         policy = policy_of(config)
         policy.aging_rate = old_rate
@@ -1090,8 +1099,9 @@ class Front:
         if config.aging_rate != old_rate:
             self.scheduler.set_aging_rate(config.aging_rate)
         logging.getLogger("ringstream").setLevel(config.log_level.upper())
-        log.info("settings changed: %s", ", ".join(f"{k}={v}" for k, v in changes.items()))
+        log.info("settings changed: %s", ", ".join(f"{k}={v}" for k, v in result.changed.items()))
         self._dispatch()
+        return list(result.notes)
 
     def reload(self) -> None:
         """SIGHUP: re-read the config file and apply its live settings; report the others.
@@ -1119,11 +1129,9 @@ class Front:
         except ValueError as exc:
             log.error("reload failed, settings unchanged: %s", exc)
             return
-        changed = {name for name in Config.__struct_fields__ if getattr(fresh, name) != getattr(self.config, name)}
-        restart = sorted(changed - set(LIVE_SETTINGS))
+        live, restart = reload_changes(self.config, fresh)
         if restart:
             log.warning("reload: %s change only after a restart", ", ".join(restart))
-        live = {name: getattr(fresh, name) for name in changed & set(LIVE_SETTINGS)}
         if live:
             try:
                 self.apply_settings(live)
@@ -1132,8 +1140,8 @@ class Front:
         else:
             log.info("reload: no live setting changed")
 
-    def status(self) -> P.StatusReply:
-        """Live figures, as sent to ``ringstream status``."""
+    def status(self, notes: list[str] | tuple[str, ...] = ()) -> P.StatusReply:
+        """Live figures, as sent to ``ringstream status`` (and after ``admin set``, with its ``notes``)."""
         workers = [
             P.WorkerStatus(
                 index=w.index, device=w.device, pid=w.pid, alive=w.alive, running=b.running,
@@ -1155,7 +1163,7 @@ class Front:
             tokens_generated_total=self.counters["tokens_generated_total"], workers=workers,
             settings={name: getattr(self.config, name) for name in LIVE_SETTINGS if getattr(self.config, name) is not None},
             counters=dict(self.counters),
-            metrics=self.metrics.snapshot(),
+            metrics=self.metrics.snapshot(), notes=list(notes),
         )
 
 

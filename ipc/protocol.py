@@ -248,6 +248,8 @@ class StatusReply(Struct, tag="status_reply", **_WIRE):
     counters: dict[str, int] = {}
     metrics: dict[str, float] = {}
     """Every Prometheus sample of the daemon, ``{"name{label=value}": value}`` (no histogram buckets)."""
+    notes: list[str] = []
+    """After ``Admin``: what takes effect differently from what was asked (e.g. a value capped)."""
 
 
 ServerMessage = Union[Chunk, Error, HeartbeatAck, StatusReply]

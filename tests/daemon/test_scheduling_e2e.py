@@ -107,6 +107,10 @@ def test_urgent_request_preempts_or_waits(daemon, settings, preemption):
         assert ids == alone[prompt], "preemption changed a greedy output"
     if preemption:
         assert preemptions >= 1
+        # The preempted stream waited again, for the urgent one's decode: its queue time counts that wait too.
+        urgent_usage = urgent[-1].usage
+        requeued = max(chunks[-1].usage.queue_time_s for chunks in results)
+        assert requeued >= 0.5 * (urgent_usage.e2e_s - urgent_usage.ttft_s) > 0
 
 
 def test_low_priority_is_served_within_the_aging_bound(daemon, settings):
@@ -188,6 +192,20 @@ def test_admin_rejects_unknown_or_bad_settings(daemon):
         with pytest.raises(InvalidRequest, match="max_concurrency"):
             client.admin(max_concurrency=0)
         assert client.status().max_concurrency == 2  # unchanged
+
+
+def test_admin_says_what_takes_effect(daemon):
+    """A max_concurrency above the workers' slots is applied as the slots, and the reply says so."""
+    with Client(daemon.address) as client:
+        slots = min(w.max_num_seqs for w in client.status().workers)
+        try:
+            reply = client.admin(max_concurrency=slots + 1000, log_level="DEBUG")
+            assert reply.settings["log_level"] == "debug"
+            (note,) = reply.notes
+            assert f"takes effect as {slots}" in note
+            assert client.admin(max_concurrency=2).notes == []
+        finally:
+            client.admin(max_concurrency=2, log_level="info")
 
 
 def test_sighup_rereads_the_config_file(daemon):
