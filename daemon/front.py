@@ -52,6 +52,7 @@ from ringstream.daemon.config import Config, load_config, parse_devices, runtime
 from ringstream.daemon.metrics import Metrics
 from ringstream.daemon.model import ModelInfo, load_tokenizer, resolve_model_dir
 from ringstream.daemon.notify import Notifier, WatchdogGate
+from ringstream.daemon.request import DaemonState, Request, RequestStatus
 from ringstream.daemon.scheduler import Scheduler, SchedulerPolicy, WorkerBudget
 from ringstream.daemon.settings import LIVE_SETTINGS, change_settings, reload_changes
 from ringstream.daemon.supervisor import (
@@ -121,58 +122,6 @@ def kv_cache_usage(load: P.WorkerHeartbeat) -> float:
     return 1.0 - load.kv_blocks_free / load.kv_blocks_total
 
 
-@dataclass(eq=False, slots=True)
-class Request:
-    """A client request as the front tracks it (all times from ``time.monotonic``)."""
-
-    client: bytes
-    id: str
-    handle: int
-    msg: P.Generate
-    prompt_token_ids: list[int]
-    arrival: float
-    worker: int | None = None
-    dispatched: float = 0.0
-    first_token: float = 0.0
-    next_token_seq: int = 0
-    chunk_seq: int = 0
-    output_token_ids: list[int] = field(default_factory=list)
-    pending_text: list[str] = field(default_factory=list)
-    pending_ids: list[int] = field(default_factory=list)
-    final: P.Chunk | P.Error | None = None
-    abort_reason: P.FinishReason | None = None
-    timers: list[asyncio.TimerHandle] = field(default_factory=list)
-    queue_timer: asyncio.TimerHandle | None = None
-    started: float = 0.0
-    sched_token: int = 0
-    kv_charge: int = 0
-    prefix_hashes: list[bytes] | None = None
-    preempted_from: int | None = None
-    """Worker asked to drop this request for a preemption, until it confirms."""
-    worker_failures: int = 0
-    last_token: float = 0.0
-    queued_at: float = 0.0
-    """When it last entered the queue (arrival, or back after a preemption or a worker's exit); 0 while not queued."""
-    queue_time: float = 0.0
-    """Seconds spent queued before its earlier dispatches (the whole wait, reported in ``Usage.queue_time_s``)."""
-
-    @property
-    def priority(self) -> int:
-        return self.msg.priority
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
-    @property
-    def max_tokens(self) -> int:
-        return self.msg.max_tokens
-
-
 @dataclass(slots=True)
 class ClientState:
     """Requests open for one client identity, and when it last spoke."""
@@ -192,9 +141,14 @@ class Front:
         self.config_path = config_path
         self.overrides = overrides or {}
         """Command-line values, which win over the file at every reload too."""
-        self.state = "starting"
+        self.state = DaemonState.STARTING
         self.started = time.monotonic()
         self.stop_event = asyncio.Event()
+        """Set by a stop signal (or a start failure): the drain begins."""
+        self.stopped_event = asyncio.Event()
+        """Set when the drain reached FLUSHING's end: teardown follows."""
+        self.shutdown_timer: asyncio.TimerHandle | None = None
+        self.aborted_at_shutdown: list[Request] = []
         self.exit_code = 0
         self.ctx = zmq.asyncio.Context()
         self.clients: dict[bytes, ClientState] = {}
@@ -257,7 +211,8 @@ class Front:
                 coros.append(self._watchdog())
             tasks = [asyncio.create_task(coro) for coro in coros]
             await self.stop_event.wait()
-            await self._drain()
+            self._begin_drain()
+            await self.stopped_event.wait()
         except StartupError as exc:
             log.error("start failed: %s", exc)
             self.notifier.status(f"start failed: {exc}")
@@ -377,33 +332,62 @@ class Front:
         else:
             log.info("CURVE: %d client key(s) allowed from %s", len(allowed), directory)
 
-    async def _drain(self) -> None:
-        """Graceful stop: refuse new work, let running streams finish, then end the rest."""
-        self.state = "draining"
+    # Shutdown: DRAINING -> ABORTING -> FLUSHING -> STOPPED, advanced by _advance_shutdown whenever a request
+    # ends or is delivered, and by deadline timers; nothing polls.
+
+    def _begin_drain(self) -> None:
+        """Graceful stop: refuse new work, end the waiting, let running streams finish (up to ``drain_timeout_s``)."""
+        self.state = DaemonState.DRAINING
         for req in self.scheduler.waiting():
             self.scheduler.remove(req)
             self._end(req, P.Error(id=req.id, code=P.ErrorCode.SHUTTING_DOWN, message="daemon is shutting down"))
-        deadline = time.monotonic() + self.config.drain_timeout_s
-        while (self.by_handle or self.tokenizing) and time.monotonic() < deadline:
-            await asyncio.sleep(HOUSEKEEPING_S)
-            for req in self.scheduler.waiting():  # preempted ones back in the queue: nothing more runs
-                self.scheduler.remove(req)
-                self._finish(req, P.FinishReason.SHUTDOWN)
-        running = [r for r in self.by_handle.values() if r.worker is not None]
-        for req in running:
+        self.shutdown_timer = asyncio.get_running_loop().call_later(self.config.drain_timeout_s, self._begin_abort)
+        self._advance_shutdown()
+
+    def _begin_abort(self) -> None:
+        """Drain over (nothing left, or its deadline): abort what still runs; their workers get ABORT_GRACE_S."""
+        self._cancel_shutdown_timer()
+        self.state = DaemonState.ABORTING
+        self.aborted_at_shutdown = [r for r in self.by_handle.values()
+                                    if r.worker is not None or r.status == RequestStatus.PREEMPTING]
+        for req in self.aborted_at_shutdown:
             self._abort(req, P.FinishReason.SHUTDOWN)
-        deadline = time.monotonic() + ABORT_GRACE_S
-        while any(r.worker is not None for r in running) and time.monotonic() < deadline:
-            await asyncio.sleep(RETRY_SEND_S * 10)
-        for req in running:
-            if req.worker is not None:
+        self.shutdown_timer = asyncio.get_running_loop().call_later(ABORT_GRACE_S, self._begin_flush)
+        self._advance_shutdown()
+
+    def _begin_flush(self) -> None:
+        """Aborts confirmed (or their grace is over): end the rest; deliver terminal messages for ABORT_GRACE_S."""
+        self._cancel_shutdown_timer()
+        self.state = DaemonState.FLUSHING
+        for req in self.aborted_at_shutdown:
+            if not req.status.is_finished:
                 self._finish(req, P.FinishReason.SHUTDOWN)
-        deadline = time.monotonic() + ABORT_GRACE_S
-        while self.blocked and time.monotonic() < deadline:
-            await asyncio.sleep(RETRY_SEND_S * 10)
+        self.aborted_at_shutdown = []
+        self.shutdown_timer = asyncio.get_running_loop().call_later(ABORT_GRACE_S, self._stopped)
+        self._advance_shutdown()
+
+    def _stopped(self) -> None:
+        self._cancel_shutdown_timer()
+        self.state = DaemonState.STOPPED
+        self.stopped_event.set()
+
+    def _cancel_shutdown_timer(self) -> None:
+        if self.shutdown_timer is not None:
+            self.shutdown_timer.cancel()
+            self.shutdown_timer = None
+
+    def _advance_shutdown(self) -> None:
+        """Move the shutdown on when its phase's work is done (called after anything ends or is delivered)."""
+        match self.state:
+            case DaemonState.DRAINING if not self.by_handle and not self.tokenizing:
+                self._begin_abort()
+            case DaemonState.ABORTING if all(r.status.is_finished for r in self.aborted_at_shutdown):
+                self._begin_flush()
+            case DaemonState.FLUSHING if not self.blocked:
+                self._stopped()
 
     async def _teardown(self) -> None:
-        self.state = "stopped"
+        self.state = DaemonState.STOPPED
         loop = asyncio.get_running_loop()
         for worker in self.workers:
             if worker.process is not None:
@@ -465,7 +449,7 @@ class Front:
                 self._on_worker_ready(ready)
             case P.WorkerStartFailed(worker=index, message=message):
                 log.error("worker %d (%s) failed to start: %s", index, self.workers[index].device, message)
-                if self.state == "starting":
+                if self.state == DaemonState.STARTING:
                     self.request_stop(exit_code=1)  # a restart that fails retries with backoff instead
 
     def _on_worker_load(self, beat: P.WorkerHeartbeat) -> None:
@@ -499,8 +483,8 @@ class Front:
         budget.ready = True
         self.workers[ready.worker].last_heartbeat = time.monotonic()
         log.info("worker %d ready on %s (pid %d, %d slots)", ready.worker, ready.device, ready.pid, ready.max_num_seqs)
-        if self.state == "starting" and all(b.ready for b in self.scheduler.workers):
-            self.state = "serving"
+        if self.state == DaemonState.STARTING and all(b.ready for b in self.scheduler.workers):
+            self.state = DaemonState.SERVING
             log.info("ready: serving in %.1f s", time.monotonic() - self.started)
             self.notifier.ready(status=f"serving on {len(self.workers)} worker(s)")
         self._dispatch()
@@ -517,21 +501,23 @@ class Front:
         log.error("worker %d (pid %d) exited: %s", worker.index, worker.pid, how)
         self._read_ring(worker)
         orphans = self.scheduler.clear_worker(worker.index)
-        orphans += [r for r in self.by_handle.values() if r.preempted_from == worker.index]
+        # Preempted (or aborted while preempting) there, not charged any more, awaiting a confirmation that
+        # will never come:
+        orphans += [r for r in self.by_handle.values() if r.worker is None and r.last_worker == worker.index
+                    and r.status in (RequestStatus.PREEMPTING, RequestStatus.ABORTING)]
         for req in orphans:
-            req.preempted_from = None
             req.worker_failures += 1
-            if req.abort_reason is not None:
+            if req.status == RequestStatus.ABORTING:
                 self._finish(req, req.abort_reason)
-            elif req.worker_failures > MAX_RESUMES or self.state != "serving":
+            elif req.worker_failures > MAX_RESUMES or self.state != DaemonState.SERVING:
                 self._end(req, P.Error(id=req.id, code=P.ErrorCode.WORKER_FAILED,
                                        message=f"worker {worker.index} exited {req.worker_failures} time(s) "
                                                f"while running this request"))
             else:
                 self._requeue(req)  # resumes from prompt + tokens already streamed, on a live worker
-        if self.state == "starting":
+        if self.state == DaemonState.STARTING:
             self.request_stop(exit_code=1)
-        elif self.state == "serving":
+        elif self.state == DaemonState.SERVING:
             self._schedule_restart(worker)
         self._dispatch()
 
@@ -547,7 +533,7 @@ class Front:
         asyncio.get_running_loop().call_later(delay, self._restart, worker)
 
     def _restart(self, worker: WorkerProcess) -> None:
-        if self.state != "serving" or worker.alive:
+        if self.state != DaemonState.SERVING or worker.alive:
             return
         worker.process.close()
         spawn(worker)  # same ring and command socket; the new producer continues at write_pos
@@ -577,7 +563,8 @@ class Front:
                     finish = P.FINISH_DECODER.decode(rec.payload)
                     if self._preemption_done(req, finish):
                         continue
-                    reason = req.abort_reason or finish.finish_reason
+                    aborted = req.status == RequestStatus.ABORTING
+                    reason = req.abort_reason if aborted else finish.finish_reason
                     self._finish(req, reason, finish.stop_reason, flush=False)
                 elif rec.kind == KIND_ERROR:
                     error = P.WORKER_ERROR_DECODER.decode(rec.payload)
@@ -596,17 +583,19 @@ class Front:
 
     def _preemption_done(self, req: Request, finish: P.Finish) -> bool:
         """A preempted request's worker confirmed the abort: back to the queue, resumable."""
-        worker, req.preempted_from = req.preempted_from, None
-        if worker is None:
-            return False
-        if req.abort_reason is not None or finish.finish_reason != P.FinishReason.CANCELLED:
-            return False  # it ended anyway (finished first, or its client cancelled meanwhile)
+        if req.status != RequestStatus.PREEMPTING or finish.finish_reason != P.FinishReason.CANCELLED:
+            return False  # not preempted; or it ended anyway (finished first, or was aborted meanwhile)
         log.info("request %s (priority %d) preempted on worker %d after %d tokens; back in the queue",
-                 req.id, req.priority, worker, len(req.output_token_ids))
+                 req.id, req.priority, req.last_worker, len(req.output_token_ids))
         self._requeue(req)
         return True
 
     def _requeue(self, req: Request) -> None:
+        """Back to the queue, resumable from the tokens already streamed (ended instead once stopping)."""
+        if not self.state.accepts_requests:
+            self._finish(req, P.FinishReason.SHUTDOWN)
+            return
+        req.status = RequestStatus.WAITING
         req.queued_at = time.monotonic()
         self.scheduler.requeue(req)
 
@@ -732,7 +721,7 @@ class Front:
             self._reply(identity, P.Error(id=None, code=P.ErrorCode.INVALID_REQUEST,
                                           message=f"duplicate request id {msg.id!r}: it is still open"))
             return
-        if self.state not in ("starting", "serving"):
+        if not self.state.accepts_requests:
             self._reply(identity, P.Error(id=msg.id, code=P.ErrorCode.SHUTTING_DOWN, message="daemon is shutting down"))
             return
         req = Request(identity, msg.id, next(self.handles), msg, [], now, queued_at=now)
@@ -795,12 +784,13 @@ class Front:
 
     def _on_tokenized(self, req: Request, connection: int | None, future: asyncio.Future) -> None:
         self.tokenizing -= 1
+        self._advance_shutdown()
         if future.cancelled() or not req.client:
             return  # stopping, or the client is gone: nothing to answer
-        if req.abort_reason is not None:
+        if req.status == RequestStatus.ABORTING:
             self._finish(req, req.abort_reason)  # cancelled meanwhile
             return
-        if self.state not in ("starting", "serving"):
+        if not self.state.accepts_requests:
             self._reply(req.client, P.Error(id=req.id, code=P.ErrorCode.SHUTTING_DOWN,
                                             message="daemon is shutting down"))
             self._forget(req)
@@ -845,13 +835,15 @@ class Front:
             if preempted is None:
                 return
             victim, index = preempted
-            victim.preempted_from = index
+            victim.status = RequestStatus.PREEMPTING
             self.counters["preemptions_total"] += 1
             self.metrics.preemptions.labels(str(index), "priority").inc()
             self.scheduler.workers[index].preemptions += 1
             self.workers[index].send(P.Abort(handle=victim.handle))
 
     def _assign(self, req: Request, index: int, now: float) -> None:
+        req.status = RequestStatus.RUNNING
+        req.last_worker = index
         if req.queued_at:
             req.queue_time += now - req.queued_at
             req.queued_at = 0.0
@@ -870,13 +862,14 @@ class Front:
 
     def _abort(self, req: Request, reason: P.FinishReason) -> None:
         """End a request early: at once if waiting, else after its worker confirms."""
-        if req.abort_reason is not None or req.final is not None:
+        if req.status >= RequestStatus.ABORTING:
             return
         if self.scheduler.remove(req):
             self._finish(req, reason)
             return
-        req.abort_reason = reason
-        if req.worker is not None and req.preempted_from is None:
+        running = req.status == RequestStatus.RUNNING  # a PREEMPTING one was told to stop already
+        req.status, req.abort_reason = RequestStatus.ABORTING, reason
+        if running and req.worker is not None:
             self.workers[req.worker].send(P.Abort(handle=req.handle))
 
     def _finish(self, req: Request, reason: P.FinishReason, stop_reason=None, flush: bool = True) -> None:
@@ -890,9 +883,9 @@ class Front:
 
     def _end(self, req: Request, final: P.Chunk | P.Error, flush: bool = True) -> None:
         """Record the terminal message; the request leaves every table once it is sent."""
-        if req.final is not None:
+        if req.status.is_finished:
             return
-        req.final = final
+        req.status, req.final = RequestStatus.of(final), final
         status = final.code if isinstance(final, P.Error) else final.finish_reason
         e2e = time.monotonic() - req.arrival
         self.metrics.requests.labels(status).inc()
@@ -910,6 +903,7 @@ class Front:
         if flush:
             self._flush(req)
             self._dispatch()
+        self._advance_shutdown()
 
     def _flush(self, req: Request) -> None:
         """Send what is pending for ``req`` as one Chunk (plus its terminal message)."""
@@ -961,6 +955,7 @@ class Front:
             if not client.requests:
                 del self.clients[req.client]
         self.blocked.pop(req.handle, None)
+        self._advance_shutdown()
 
     def _client_gone(self, identity: bytes, why: str = "gone") -> None:
         """The client vanished (unroutable, silent, disconnected): cancel its requests, send nothing."""
@@ -971,7 +966,7 @@ class Front:
         for req in client.requests.values():
             self.blocked.pop(req.handle, None)
             req.client = b""
-            if req.final is None:
+            if not req.status.is_finished:
                 self._abort(req, P.FinishReason.CANCELLED)
 
     def _reply(self, identity: bytes, msg) -> str:
@@ -1019,16 +1014,16 @@ class Front:
                     log.error("worker %d sent no heartbeat for %.0f s; killing it", worker.index, silent_s)
                     budget.ready = False
                     worker.process.kill()  # its sentinel then runs the usual exit path
-                elif not budget.ready and self.state == "serving" and silent_s > self.config.worker_start_timeout_s:
+                elif not budget.ready and self.state == DaemonState.SERVING and silent_s > self.config.worker_start_timeout_s:
                     log.error("restarted worker %d not ready after %.0f s; killing it", worker.index, silent_s)
                     worker.process.kill()
-            if self.state == "starting" and now > start_deadline:
+            if self.state == DaemonState.STARTING and now > start_deadline:
                 log.error("workers not ready after %.0f s", self.config.worker_start_timeout_s)
                 self.request_stop(exit_code=1)
 
     def _cancel_stuck(self, identity: bytes, client: ClientState, stuck_s: float) -> None:
         """Cancel the requests of a client that reads nothing; their last chunks wait for it to read again."""
-        open_requests = [r for r in client.requests.values() if r.final is None and r.abort_reason is None]
+        open_requests = [r for r in client.requests.values() if r.status < RequestStatus.ABORTING]
         if open_requests:
             self.counters["clients_stuck_total"] += 1
             log.info("client %s not reading for %.1f s; cancelling %d request(s)", identity.hex(), stuck_s,
@@ -1109,7 +1104,7 @@ class Front:
         systemd hears ``RELOADING=1`` ... ``READY=1`` around it, while serving only
         (a READY during start would end the start early).
         """
-        serving = self.state == "serving"
+        serving = self.state == DaemonState.SERVING
         if serving:
             self.notifier.reloading()
         try:
@@ -1155,7 +1150,7 @@ class Front:
             for w, b, load in zip(self.workers, self.scheduler.workers, self.worker_loads)
         ]
         return P.StatusReply(
-            version=__version__, ready=self.state == "serving", state=self.state,
+            version=__version__, ready=self.state == DaemonState.SERVING, state=self.state.value,
             uptime_s=time.monotonic() - self.started, waiting=self.scheduler.num_waiting,
             running=self.scheduler.num_running, queue_size=self.scheduler.policy.queue_size,
             max_concurrency=self.scheduler.policy.max_concurrency,
