@@ -22,6 +22,7 @@ from ringstream.ipc.ring.layout import (
 )
 
 _tuple_new = tuple.__new__
+_unpack_record = RECORD_STRUCT.unpack_from
 
 
 def walk(
@@ -57,7 +58,6 @@ def walk(
         stopped the walk, or None if it reached ``end`` or ``limit``.
     """
     mask = capacity - 1
-    unpack = RECORD_STRUCT.unpack_from
     out: list[Record] = []
     append = out.append
     while position < end and len(out) != limit:
@@ -67,7 +67,7 @@ def walk(
             position += room
             continue
         start = HEADER_SIZE + offset
-        length, kind, flags, handle, seq, token_id = unpack(mm, start)
+        length, kind, flags, handle, seq, token_id = _unpack_record(mm, start)
         if kind == KIND_PAD and length == room:
             position += room
             continue
