@@ -28,7 +28,8 @@ def test_wheel_holds_only_the_ringstream_package(wheel):
     tops = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
     assert tops == {"ringstream"}
     for module in ("ringstream/__init__.py", "ringstream/daemon/front.py", "ringstream/ipc/client.py",
-                   "ringstream/tools/ringtop.py", "ringstream/daemon/default_model/config.json"):
+                   "ringstream/ipc/ring/walk.py", "ringstream/tools/ringtop.py",
+                   "ringstream/daemon/default_model/config.json"):
         assert module in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()

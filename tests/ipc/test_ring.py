@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ringstream.ipc import ring as ring_module
+from ringstream.ipc.ring import segment as ring_module
 from ringstream.ipc.ring import (
     HEADER_SIZE,
     KIND_ERROR,
