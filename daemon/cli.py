@@ -1,4 +1,4 @@
-"""``ringstream`` command line: serve, generate, status, demo."""
+"""``ringstream`` command line: serve, generate, status, admin, demo."""
 
 from __future__ import annotations
 
@@ -10,12 +10,22 @@ import sys
 import msgspec
 import zmq
 
+from ringstream import __version__
+from ringstream.ipc.address import SOCKET_ENV, SYSTEMD_SOCKET, check_address
+from ringstream.ipc.client import DEFAULT_TIMEOUT_S, GENERATE_DEFAULTS
 from ringstream.ipc.protocol import to_dict
+
+STDIN_PROMPT = "-"
+"""The PROMPT argument that means: read the prompt from standard input."""
+STATUS_TIMEOUT_S = 5.0
+"""Silence after which ``status`` and ``admin`` give up, seconds."""
 
 
 def _add_address(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--socket", help="daemon address (default: the instance's ipc socket)")
-    parser.add_argument("--instance", default="default", help="daemon instance name (default: %(default)s)")
+    parser.add_argument("--socket", help=f"daemon address, ipc://PATH or tcp://HOST:PORT (default: ${SOCKET_ENV}, "
+                        f"else the systemd service's {SYSTEMD_SOCKET} if present, else the per-user socket of "
+                        "instance default)")
+    parser.add_argument("--instance", help="daemon instance name: use its per-user socket")
     parser.add_argument("--curve-server-cert", metavar="FILE",
                         help="CURVE: the daemon's public certificate (zmq.auth format); needs --curve-cert")
     parser.add_argument("--curve-cert", metavar="FILE",
@@ -33,6 +43,7 @@ class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ringstream", description="Host-local LLM inference daemon.")
+    parser.add_argument("--version", action="version", version=f"ringstream {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     defaults = _DefaultsHelp
 
@@ -60,14 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", formatter_class=defaults, help="stream one generation to stdout")
     _add_address(gen)
-    gen.add_argument("prompt")
-    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
-    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    gen.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (1 = off)")
-    gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0 = off)")
+    gen.add_argument("prompt", help=f"the prompt text; {STDIN_PROMPT} reads it from standard input "
+                     "(one trailing newline removed)")
+    gen.add_argument("--max-tokens", type=int, default=GENERATE_DEFAULTS["max_tokens"],
+                     help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=GENERATE_DEFAULTS["temperature"], help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=GENERATE_DEFAULTS["top_p"],
+                     help="nucleus sampling mass (1 = off)")
+    gen.add_argument("--top-k", type=int, default=GENERATE_DEFAULTS["top_k"],
+                     help="sample among the k likeliest (0 = off)")
     gen.add_argument("--seed", type=int, help="reproducible sampling")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--priority", type=int, default=0, help="lower is served first")
+    gen.add_argument("--priority", type=int, default=GENERATE_DEFAULTS["priority"], help="lower is served first")
     gen.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     gen.add_argument("--timeout", type=float, help="whole-request deadline, seconds (shortens the daemon's)")
@@ -105,31 +120,15 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _check_address(args: argparse.Namespace) -> str:
-    """The address to use; fails at once (ValueError) when nothing listens on its ipc socket.
+def _client(args: argparse.Namespace, timeout_s: float = DEFAULT_TIMEOUT_S):
+    """A ``Client`` for the address and CURVE certificates of ``args``.
 
-    Raises ValueError for an address that is neither ``ipc://`` nor ``tcp://``.
+    The address: ``--socket``, else ``--instance``'s socket, else the
+    library's default (``$RINGSTREAM_SOCKET``, the systemd service's socket, the
+    per-user one). A missing, stale or forbidden ipc socket makes the first
+    request fail at once with ``DaemonUnavailable``. Raises ValueError for an
+    address that is neither ``ipc://`` nor ``tcp://`` and for a missing or bad key.
     """
-    from ringstream.ipc.address import default_socket, unix_socket_listening
-
-    address = args.socket or default_socket(args.instance)
-    if not address.startswith(("ipc://", "tcp://")):
-        raise ValueError(f"--socket {address!r}: use ipc://PATH or tcp://HOST:PORT")
-    if address.startswith("ipc://"):
-        path = address[len("ipc://"):]
-        if not os.path.exists(path):
-            raise ValueError(f"no daemon at {address} (the socket file does not exist)")
-        try:
-            listening = unix_socket_listening(path)
-        except OSError as exc:
-            raise ValueError(f"cannot connect to {address}: {exc}") from exc
-        if not listening:
-            raise ValueError(f"no daemon at {address} (a stale socket file: its daemon is gone)")
-    return address
-
-
-def _client(args: argparse.Namespace, timeout_s: float = 30.0):
-    """A ``Client`` for the address and CURVE certificates of ``args``; ValueError for a missing socket or key."""
     from ringstream.ipc.client import Client
 
     keys = {}
@@ -146,7 +145,16 @@ def _client(args: argparse.Namespace, timeout_s: float = 30.0):
         if secret is None:
             raise ValueError(f"{args.curve_cert}: holds no secret key (give the client's .key_secret file)")
         keys = dict(curve_server_key=server_public, curve_public_key=public, curve_secret_key=secret)
-    return Client(_check_address(args), timeout_s=timeout_s, **keys)
+    address = check_address(args.socket, "--socket") if args.socket else None
+    return Client(address, instance=args.instance, timeout_s=timeout_s, **keys)
+
+
+def _read_prompt(prompt: str) -> str:
+    """``prompt``, or standard input's text (one trailing newline removed) for ``-``."""
+    if prompt != STDIN_PROMPT:
+        return prompt
+    text = sys.stdin.read()
+    return text[:-1] if text.endswith("\n") else text
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -194,8 +202,9 @@ def _generate(args: argparse.Namespace) -> int:
                   ignore_eos=args.ignore_eos, timeout_s=args.timeout, queue_timeout_s=args.queue_timeout)
     wrote = False
     try:
+        prompt = _read_prompt(args.prompt)
         with _client(args) as client:
-            for chunk in client.generate(args.prompt, **params):
+            for chunk in client.generate(prompt, **params):
                 if args.json:
                     sys.stdout.write(msgspec.json.encode(to_dict(chunk)).decode() + "\n")
                 else:
@@ -227,7 +236,7 @@ def _admin(args: argparse.Namespace) -> int:
 
     try:
         settings = dict(parse_setting(item) for item in args.settings)
-        with _client(args, timeout_s=5.0) as client:
+        with _client(args, timeout_s=STATUS_TIMEOUT_S) as client:
             reply = client.admin(**settings)
     except (ValueError, RingstreamError, zmq.ZMQError) as exc:
         print(f"ringstream: {exc}", file=sys.stderr)
@@ -242,7 +251,7 @@ def _status(args: argparse.Namespace) -> int:
     from ringstream.ipc.client import RingstreamError
 
     try:
-        with _client(args, timeout_s=5.0) as client:
+        with _client(args, timeout_s=STATUS_TIMEOUT_S) as client:
             reply = client.status()
     except (RingstreamError, ValueError, zmq.ZMQError) as exc:
         print(f"ringstream: {exc}", file=sys.stderr)

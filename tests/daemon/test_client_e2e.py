@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -15,8 +16,16 @@ import zmq
 
 from ringstream.daemon import cli
 from ringstream.ipc import protocol as P
-from ringstream.ipc.client import AsyncClient, Client, DaemonUnavailable, InvalidRequest, RingstreamError, UnknownRequest
+from ringstream.ipc.client import (
+    PROBE_AFTER_S, AsyncClient, Client, DaemonUnavailable, InvalidRequest, RingstreamError, UnknownRequest,
+)
 from tests.daemon_helpers import running_daemon, wait_exit
+
+
+SYNTHETIC = ("--engine", "synthetic", "--synthetic-step-ms", "5", "--devices", "cpu")
+HEARTBEAT_S = 0.5
+GONE_NOTICED_S = HEARTBEAT_S + PROBE_AFTER_S + 1.0
+"""A client notices a killed daemon within a heartbeat period and a probe's wait, plus slack for a busy host."""
 
 
 def _assert_nothing_left_running(address: str, why: str, timeout_s: float = 10.0) -> None:
@@ -194,3 +203,46 @@ def test_async_client_routing_and_lifetime_edges(tmp_path):
 
         asyncio.run(main())
         assert problems == []
+
+
+def _reap(d, workers: list[int]) -> None:
+    """After the front was SIGKILLed: wait for its workers and remove the rings it could not."""
+    d.proc.wait()
+    assert not wait_exit(workers, 10.0), "workers outlived the front"
+    for path in d.segments():  # the owner died before it could unlink them
+        os.unlink(path)
+
+
+def test_a_daemon_killed_mid_stream_fails_the_stream_within_the_heartbeat_window(tmp_path):
+    """Both clients, default timeout_s (30 s): the dead socket is noticed, not waited out."""
+    with running_daemon(tmp_path, *SYNTHETIC) as d, Client(d.address, heartbeat_s=HEARTBEAT_S) as client:
+        workers = d.worker_pids()
+        stream = client.generate(prompt_token_ids=[5, 6, 7], max_tokens=500, ignore_eos=True)
+        next(stream)
+        try:
+            d.proc.kill()
+            killed = time.monotonic()
+            with pytest.raises(DaemonUnavailable, match="a stale socket file"):
+                for _ in stream:
+                    pass
+            assert time.monotonic() - killed < GONE_NOTICED_S
+        finally:
+            _reap(d, workers)
+
+    async def stream_async(d) -> float:
+        async with AsyncClient(d.address, heartbeat_s=HEARTBEAT_S) as client:
+            stream = client.generate(prompt_token_ids=[5, 6, 7], max_tokens=500, ignore_eos=True)
+            await stream.__anext__()
+            d.proc.kill()
+            killed = time.monotonic()
+            with pytest.raises(DaemonUnavailable, match="a stale socket file"):
+                async for _ in stream:
+                    pass
+            return time.monotonic() - killed
+
+    with running_daemon(tmp_path, *SYNTHETIC) as d:
+        workers = d.worker_pids()
+        try:
+            assert asyncio.run(stream_async(d)) < GONE_NOTICED_S
+        finally:
+            _reap(d, workers)

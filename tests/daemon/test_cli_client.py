@@ -1,0 +1,157 @@
+"""The CLI's client commands against a synthetic daemon: defaults, stop strings, stdin, $RINGSTREAM_SOCKET, --version."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import os
+import re
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+import msgspec
+import pytest
+
+import ringstream
+from ringstream.daemon import cli
+from ringstream.ipc import address
+from ringstream.ipc.client import GENERATE_DEFAULTS, AsyncClient, Client, InvalidRequest
+from tests.daemon_helpers import running_daemon
+from tests.ipc.other_uid import as_other_user
+
+SYNTHETIC = ("--engine", "synthetic", "--synthetic-step-ms", "1", "--devices", "cpu")
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    with running_daemon(tmp_path_factory.mktemp("cli"), *SYNTHETIC) as d:
+        yield d
+
+
+@pytest.fixture
+def no_default_socket(monkeypatch, tmp_path):
+    """No $RINGSTREAM_SOCKET, no systemd socket, a per-user socket in ``tmp_path`` where no daemon runs."""
+    monkeypatch.delenv(address.SOCKET_ENV, raising=False)
+    monkeypatch.delenv("RUNTIME_DIRECTORY", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setattr(address, "SYSTEMD_SOCKET", str(tmp_path / "no-service.sock"))
+    return monkeypatch
+
+
+def _json_chunks(out: str) -> list[dict]:
+    return [msgspec.json.decode(line) for line in out.splitlines()]
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"ringstream {ringstream.__version__}\n"
+
+
+def test_generate_dash_reads_the_prompt_from_stdin(daemon, capsys, monkeypatch):
+    with Client(daemon.address) as client:
+        expected = client.complete("Return the", max_tokens=2).usage.prompt_tokens
+        dash = client.complete("-", max_tokens=2).usage.prompt_tokens
+    assert expected != dash
+    monkeypatch.setattr("sys.stdin", io.StringIO("Return the\n"))
+    assert cli.main(["generate", "--socket", daemon.address, "--max-tokens", "2", "--json", "-"]) == 0
+    assert _json_chunks(capsys.readouterr().out)[-1]["usage"]["prompt_tokens"] == expected
+
+
+def test_the_cli_and_the_library_share_one_set_of_defaults(daemon, capsys):
+    generate = cli.build_parser().parse_args(["generate", "x"])
+    assert (generate.max_tokens, generate.temperature, generate.top_p, generate.top_k, generate.priority) == tuple(
+        GENERATE_DEFAULTS[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "priority"))
+    assert cli.main(["generate", "--socket", daemon.address, "--ignore-eos", "--json", "x"]) == 0
+    from_cli = _json_chunks(capsys.readouterr().out)[-1]["usage"]["completion_tokens"]
+    with Client(daemon.address) as client:
+        from_library = client.complete("x", ignore_eos=True).usage.completion_tokens
+    assert from_cli == from_library == GENERATE_DEFAULTS["max_tokens"]
+
+
+def test_the_readme_states_the_defaults():
+    [paragraph] = [p for p in README.read_text().split("\n\n") if p.startswith("Defaults of a request")]
+    stated = dict(re.findall(r"`(\w+)=([^`]+)`", paragraph))
+    assert stated and {k: str(GENERATE_DEFAULTS[k]) for k in stated} == stated
+
+
+def test_a_stop_string_or_a_list_of_them(daemon, capsys):
+    params = dict(prompt_token_ids=[5, 6, 7], max_tokens=20, ignore_eos=True)
+    with Client(daemon.address) as client:
+        one = client.complete(stop=" t3", **params)
+        several = client.complete(stop=[" t5", " t2"], **params)
+
+    async def run_async():
+        async with AsyncClient(daemon.address) as client:
+            return await client.complete(stop=" t3", **params)
+
+    assert (one.text, one.finish_reason, one.stop_reason) == (" t0 t1 t2", "stop", " t3")
+    assert asyncio.run(run_async()).text == " t0 t1 t2"
+    assert several.text == " t0 t1"
+    assert cli.main(["generate", "--socket", daemon.address, "--ignore-eos", "--stop", " t1", "x"]) == 0
+    assert capsys.readouterr().out == " t0"
+
+
+def test_async_admin_changes_and_refuses_settings(daemon):
+    async def main():
+        async with AsyncClient(daemon.address) as client:
+            before = (await client.status()).settings["max_concurrency"]
+            try:
+                assert (await client.admin(max_concurrency=3)).settings["max_concurrency"] == 3
+                with pytest.raises(InvalidRequest, match="max_concurrency"):
+                    await client.admin(max_concurrency=0)
+            finally:
+                await client.admin(max_concurrency=before)
+
+    asyncio.run(main())
+
+
+def test_ringstream_socket_names_the_daemon_for_the_cli_and_the_library(daemon, no_default_socket, capsys, tmp_path):
+    assert cli.main(["status"]) == 1
+    assert "the socket file does not exist" in capsys.readouterr().err
+    no_default_socket.setenv(address.SOCKET_ENV, daemon.address)
+    assert cli.main(["status", "--json"]) == 0
+    assert msgspec.json.decode(capsys.readouterr().out)["ready"] is True
+    assert cli.main(["generate", "--max-tokens", "2", "--ignore-eos", "x"]) == 0
+    assert capsys.readouterr().out == " t0 t1"
+    with Client() as client:
+        assert client.address == daemon.address and client.status().ready
+    # an explicit --socket or --instance still wins
+    assert cli.main(["status", "--socket", f"ipc://{tmp_path}/elsewhere.sock"]) == 1
+    assert cli.main(["status", "--instance", "elsewhere"]) == 1
+    assert capsys.readouterr().err.count("does not exist") == 2
+    no_default_socket.setenv(address.SOCKET_ENV, "localhost:5555")
+    assert cli.main(["status"]) == 1
+    assert "RINGSTREAM_SOCKET 'localhost:5555': use ipc://PATH or tcp://HOST:PORT" in capsys.readouterr().err
+
+
+def test_the_cli_says_permission_denied_for_a_socket_in_a_closed_folder():
+    top = Path(tempfile.mkdtemp(prefix="ringstream-cli-"))
+    try:
+        top.chmod(0o755)
+        closed = top / "closed"
+        closed.mkdir(mode=0o700)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+            listener.bind(str(closed / "d.sock"))
+            listener.listen()
+            if os.geteuid() != 0:
+                closed.chmod(0o000)
+
+            def action() -> str:
+                err = io.StringIO()
+                with contextlib.redirect_stderr(err):
+                    code = cli.main(["status", "--socket", f"ipc://{closed}/d.sock"])
+                return f"{code} {err.getvalue()}"
+
+            try:
+                report = as_other_user(action)
+            finally:
+                closed.chmod(0o700)
+    finally:
+        shutil.rmtree(top)
+    assert report.startswith("1 ") and "permission denied" in report and "does not exist" not in report, report
