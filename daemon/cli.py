@@ -169,6 +169,7 @@ def _run(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from ringstream.daemon.config import load_config
     from ringstream.daemon.front import serve
+    from ringstream.daemon.proctitle import front_title, set_process_title
 
     overrides = dict(
         socket=args.socket, instance=args.instance, model=args.model, devices=args.devices, engine=args.engine,
@@ -183,6 +184,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"ringstream: {exc}", file=sys.stderr)
         return 2
+    set_process_title(front_title(config.instance))
     return serve(config, args.config, overrides)
 
 
