@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 
@@ -162,7 +161,7 @@ def _run(args: argparse.Namespace) -> int:
         case "demo":
             from ringstream.daemon.demo import run_demo
 
-            return asyncio.run(run_demo(args.model, args.devices, args.requests, args.max_tokens))
+            return run_demo(args.model, args.devices, args.requests, args.max_tokens)
     return 2
 
 
