@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 
@@ -170,13 +169,14 @@ def _run(args: argparse.Namespace) -> int:
         case "demo":
             from ringstream.daemon.demo import run_demo
 
-            return asyncio.run(run_demo(args.model, args.devices, args.requests, args.max_tokens))
+            return run_demo(args.model, args.devices, args.requests, args.max_tokens)
     return 2
 
 
 def _serve(args: argparse.Namespace) -> int:
     from ringstream.daemon.config import load_config
     from ringstream.daemon.front import serve
+    from ringstream.daemon.proctitle import front_title, set_process_title
 
     overrides = dict(
         socket=args.socket, instance=args.instance, model=args.model, devices=args.devices, engine=args.engine,
@@ -191,6 +191,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"ringstream: {exc}", file=sys.stderr)
         return 2
+    set_process_title(front_title(config.instance))
     return serve(config, args.config, overrides)
 
 

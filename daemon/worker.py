@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import zmq
 
 from ringstream.daemon.engine_api import EngineRequest, PromptTooLong, RequestError, SamplingParams
+from ringstream.daemon.proctitle import set_process_title, worker_title
 from ringstream.ipc import protocol as P
 from ringstream.ipc.ring import KIND_ERROR, KIND_FINISH, KIND_TOKEN, RingProducer
 
@@ -131,6 +132,7 @@ class FaultInjector:
 
 def worker_main(spec: WorkerSpec) -> None:
     """Entry point of the spawned worker process; exits the process when done."""
+    set_process_title(worker_title(spec.index, spec.device))
     logging.basicConfig(
         level=spec.log_level.upper(),
         format=f"%(asctime)s %(levelname)s worker{spec.index} %(message)s",

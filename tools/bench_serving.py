@@ -1,9 +1,9 @@
 """Serving-layer measurements: a real daemon under test, the raw ZeroMQ ceiling, idle CPU.
 
-* :func:`running_daemon` starts ``ringstream serve`` as a child process on a
-  private ipc socket, instance name and runtime directory, waits until it
-  reports ready, and stops it on exit (SIGTERM, then SIGKILL past a
-  deadline), removing any shared-memory segment it left.
+* :func:`running_daemon` is the daemon under test: a
+  :class:`ringstream.tools.daemon_process.DaemonProcess` on a private ipc
+  socket, instance name and runtime directory, ready on enter, stopped on
+  exit with nothing left behind.
 * :func:`synthetic_engine_support` tells whether this ringstream's ``serve``
   has ``--engine synthetic`` and ``--synthetic-step-ms``.
 * :func:`zmq_ceiling` measures how many small msgpack-encoded
@@ -20,31 +20,20 @@
 
 from __future__ import annotations
 
-import contextlib
-import glob
 import multiprocessing
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
-READY_TIMEOUT_S = 300.0
-READY_POLL_S = 1.0
-"""While a daemon starts, check this often that it is still alive."""
 HELP_TIMEOUT_S = 60.0
 """Bound on ``ringstream serve --help`` (it imports the CLI only)."""
-STOP_TIMEOUT_S = 30.0
 CHILD_EXIT_S = 5.0
-"""Workers get this long to exit after the front."""
-LOG_TAIL_CHARS = 3000
-"""Characters of the daemon's log quoted when it fails."""
+"""The measuring processes get this long to exit after they are told to."""
 ZMQ_DEFAULT_MESSAGES = 200_000
 ZMQ_READY_TIMEOUT_S = 30.0
 ZMQ_HWM = 0
@@ -55,41 +44,6 @@ IDLE_SAMPLE_S = 3.0
 STUB_VERSION = "stub"
 STUB_POLL_MS = 100
 """The stub daemon checks this often whether it was told to stop."""
-
-
-class DaemonStartError(RuntimeError):
-    """The daemon under test exited or did not become ready."""
-
-
-@dataclass
-class DaemonUnderTest:
-    """A daemon started by :func:`running_daemon`."""
-
-    proc: subprocess.Popen
-    address: str
-    instance: str
-    log_path: Path
-    command: list[str]
-
-    def log_tail(self) -> str:
-        """The end of the daemon's log."""
-        try:
-            return self.log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
-        except OSError:
-            return ""
-
-    def processes(self) -> list[psutil.Process]:
-        """The front and every descendant (workers, helpers) still running."""
-        try:
-            front = psutil.Process(self.proc.pid)
-            return [front, *front.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
-
-
-def serve_command(instance: str, address: str, args: list[str]) -> list[str]:
-    """The ``ringstream serve`` command line the benchmark runs (module form, this interpreter)."""
-    return [sys.executable, "-m", "ringstream.daemon.cli", "serve", "--instance", instance, "--socket", address, *args]
 
 
 def toml_value(value: object) -> str:
@@ -114,55 +68,18 @@ def write_config(directory: Path, settings: dict[str, object]) -> Path:
     return path
 
 
-@contextlib.contextmanager
-def running_daemon(args: list[str], ready_timeout_s: float = READY_TIMEOUT_S):
-    """Run ``ringstream serve ARGS`` for the ``with`` block; yields a :class:`DaemonUnderTest`.
+def running_daemon(args: list[str]) -> "DaemonProcess":
+    """The daemon of ``ringstream serve ARGS`` under test; use it as a context manager (ready on enter).
 
-    The daemon gets a fresh runtime directory (``XDG_RUNTIME_DIR``), instance
-    name and ipc socket, so it never meets another instance.
+    It gets a fresh runtime directory (``XDG_RUNTIME_DIR``), instance name
+    and ipc socket, so it never meets another instance.
 
-    Raises:
-        DaemonStartError: the daemon exited or was not ready in ``ready_timeout_s``.
+    Raises (on enter):
+        DaemonStartError: the daemon exited or was not ready within its start timeout.
     """
-    from ringstream.ipc.client import Client, DaemonUnavailable
+    from ringstream.tools.daemon_process import DaemonProcess
 
-    with tempfile.TemporaryDirectory(prefix="ringstream-bench-") as tmp:
-        rundir = Path(tmp)
-        instance = f"bench{uuid.uuid4().hex[:8]}"
-        address = f"ipc://{rundir}/{instance}.sock"
-        log_path = rundir / f"{instance}.log"
-        command = serve_command(instance, address, args)
-        env = dict(os.environ, XDG_RUNTIME_DIR=str(rundir))
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        daemon = DaemonUnderTest(proc, address, instance, log_path, command)
-        children: list[psutil.Process] = []
-        try:
-            deadline = time.monotonic() + ready_timeout_s
-            with Client(address, timeout_s=READY_POLL_S) as client:
-                while True:
-                    if proc.poll() is not None:
-                        raise DaemonStartError(f"daemon exited with code {proc.returncode}:\n{daemon.log_tail()}")
-                    try:
-                        if client.wait_ready(timeout_s=READY_POLL_S).ready:
-                            break
-                    except DaemonUnavailable:
-                        if time.monotonic() > deadline:
-                            raise DaemonStartError(
-                                f"daemon not ready after {ready_timeout_s:.0f} s:\n{daemon.log_tail()}"
-                            ) from None
-            children = daemon.processes()[1:]
-            yield daemon
-        finally:
-            children = children or daemon.processes()[1:]
-            stop_daemon(proc)
-            _, alive = psutil.wait_procs(children, timeout=CHILD_EXIT_S)
-            for child in alive:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    child.kill()
-            for path in glob.glob(f"/dev/shm/ringstream-{instance}-*"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+    return DaemonProcess(*args, prefix="bench")
 
 
 def private_rss_bytes(pid: int) -> int:
@@ -173,17 +90,6 @@ def private_rss_bytes(pid: int) -> int:
             if line.startswith("RssAnon:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"no RssAnon in /proc/{pid}/status")
-
-
-def stop_daemon(proc: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S) -> None:
-    """SIGTERM the daemon and wait; SIGKILL it past ``timeout_s`` seconds."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def synthetic_engine_support() -> str | None:

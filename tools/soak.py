@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import glob
 import json
 import math
 import os
@@ -57,13 +56,9 @@ import zmq
 
 from ringstream.ipc import protocol as P
 from ringstream.ipc.client import AsyncClient, Client, ServerError
-from ringstream.tools.bench_serving import private_rss_bytes, stop_daemon
+from ringstream.tools.bench_serving import private_rss_bytes
+from ringstream.tools.daemon_process import DaemonProcess
 
-SEGMENT_GLOB = "/dev/shm/ringstream-{instance}-*"
-READY_TIMEOUT_S = 120.0
-STOP_TIMEOUT_S = 60.0
-CHILD_EXIT_S = 5.0
-"""Workers get this long to exit after the daemon did."""
 REPLY_TIMEOUT_S = 30.0
 """A barrage frame that gets no answer within this long counts as unanswered."""
 SEND_TIMEOUT_MS = 30_000
@@ -86,85 +81,18 @@ _GENERATE_FIELDS = P.Generate.__struct_fields__
 # --------------------------------------------------------------------------- daemons
 
 
-@dataclass
-class SoakDaemon:
-    """A daemon started by :func:`soak_daemon`."""
+def soak_daemon(workdir: Path, *args: str, config: str = "", env: dict | None = None,
+                instance: str | None = None) -> DaemonProcess:
+    """A daemon of ``ringstream serve ARGS`` with TOML ``config`` text, in ``workdir``; use it as a context manager.
 
-    proc: subprocess.Popen
-    address: str
-    instance: str
-    log_path: Path
-    leftovers: dict = field(default_factory=dict)
-    """After the daemon stopped: ``{"segments": [...], "processes": [...]}`` it left (both empty if clean)."""
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def segments(self) -> list[str]:
-        return glob.glob(SEGMENT_GLOB.format(instance=self.instance))
-
-    def worker_pids(self) -> list[int]:
-        """Pids of the worker processes (spawned by multiprocessing)."""
-        pids = []
-        for child in _children(self.proc.pid):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                if "spawn_main" in " ".join(child.cmdline()):
-                    pids.append(child.pid)
-        return pids
-
-    def rss(self) -> int:
-        """Resident set size of the front process, bytes."""
-        return psutil.Process(self.proc.pid).memory_info().rss
-
-    def private_rss(self) -> int:
-        """Resident private (anonymous) memory of the front process, bytes: RSS without files and shared memory."""
-        return private_rss_bytes(self.proc.pid)
-
-
-def _children(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
-@contextlib.contextmanager
-def soak_daemon(workdir: Path, *args: str, config: str = "", env: dict | None = None, instance: str | None = None):
-    """Run ``ringstream serve ARGS`` (TOML ``config`` text) until the block ends; yields a :class:`SoakDaemon`.
-
-    ``instance``: the instance name (default: a fresh one).
-    On exit: SIGTERM (SIGKILL after STOP_TIMEOUT_S), then every leftover
-    segment and process is removed and reported in ``leftovers`` of the
-    yielded object (``{"segments": [...], "processes": [...]}``).
+    ``instance``: the instance name (default: a fresh one). After the block,
+    ``leftovers`` of the returned :class:`DaemonProcess` lists what the
+    stopped daemon left (and was removed).
     """
     instance = instance or f"soak{uuid.uuid4().hex[:8]}"
-    address = f"ipc://{workdir}/{instance}.sock"
     config_path = workdir / f"{instance}.toml"
     config_path.write_text(config)
-    log_path = workdir / f"{instance}.log"
-    cmd = [sys.executable, "-m", "ringstream.daemon.cli", "serve", "--instance", instance, "--socket", address,
-           "--config", str(config_path), *args]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, XDG_RUNTIME_DIR=str(workdir), **(env or {})))
-    daemon = SoakDaemon(proc, address, instance, log_path)
-    children: list[psutil.Process] = []
-    try:
-        with Client(address) as client:
-            client.wait_ready(READY_TIMEOUT_S)
-        children = _children(proc.pid)
-        yield daemon
-    finally:
-        children = children or _children(proc.pid)
-        stop_daemon(proc, STOP_TIMEOUT_S)
-        _, alive = psutil.wait_procs(children, timeout=CHILD_EXIT_S)
-        segments = daemon.segments()
-        for path in segments:
-            os.unlink(path)
-        for child in alive:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                child.kill()
-        daemon.leftovers = {"segments": segments, "processes": [p.pid for p in alive]}
+    return DaemonProcess("--config", str(config_path), *args, runtime_dir=workdir, instance=instance, env=env)
 
 
 def wait_for(predicate, timeout_s: float, interval_s: float = 0.05):
@@ -707,10 +635,11 @@ async def run_streams(address: str, count: int, concurrency: int, params: dict, 
 # --------------------------------------------------------------------------- soak phases
 
 
-def _rss_mib(daemon: SoakDaemon) -> list[float]:
+def _rss_mib(daemon: DaemonProcess) -> list[float]:
     """The front's resident memory, MiB: ``[total, private]``. The difference is mostly the rings, shared
     with the workers: a ring's pages become resident as records first reach them (at most ``ring_bytes``)."""
-    return [round(daemon.rss() / MIB, 1), round(daemon.private_rss() / MIB, 1)]
+    total = psutil.Process(daemon.pid).memory_info().rss
+    return [round(total / MIB, 1), round(private_rss_bytes(daemon.pid) / MIB, 1)]
 
 
 def soak_overload(workdir: Path, seconds: float) -> dict:
@@ -746,7 +675,7 @@ def soak_overload(workdir: Path, seconds: float) -> dict:
         queue_full_p99_ms=round(percentile(full, 99) * 1000, 2),
         queue_full_max_ms=round(max(full, default=math.nan) * 1000, 2),
         rss_before_mib=rss[0], rss_after_mib=rss[-1], rss_samples_mib=rss, gauges_idle=bool(idle),
-        leftovers=daemon.leftovers,
+        leftovers=daemon.leftovers.as_dict(),
     )
 
 
@@ -781,7 +710,7 @@ def soak_hostile(workdir: Path, seconds: float) -> dict:
         oversize_answers=oversize_answers, oversize_connections_closed=oversize_closed,
         victim_streams=len(victim.results), victim_streams_differing=len(differing),
         heartbeat_rtt_p99_ms=round(percentile(rtts, 99) * 1000, 2), heartbeat_rtt_max_ms=round(max(rtts) * 1000, 2),
-        rss_before_mib=rss[0], rss_after_mib=rss[-1], rss_samples_mib=rss, leftovers=daemon.leftovers,
+        rss_before_mib=rss[0], rss_after_mib=rss[-1], rss_samples_mib=rss, leftovers=daemon.leftovers.as_dict(),
     )
 
 
@@ -865,7 +794,7 @@ def soak_worker_faults(workdir: Path, seconds: float) -> dict:
         faults=dict(faults), restarts=status.counters["worker_restarts_total"],
         lost=sum(o.startswith("lost") for o in outcomes.elements()), hung=outcomes["hung"],
         deadline_ends=outcomes["timeout"], broken_streams=sum(b is not None for b in broken), gauges_idle=bool(idle),
-        rss_before_mib=rss_before, rss_after_mib=rss_after, leftovers=daemon.leftovers,
+        rss_before_mib=rss_before, rss_after_mib=rss_after, leftovers=daemon.leftovers.as_dict(),
         max_restart_backoff_s=max(delays, default=0.0),
     )
 
@@ -890,7 +819,7 @@ def soak_step_exceptions(workdir: Path, seconds: float) -> dict:
         lost=sum(o.startswith("lost") for o in outcomes.elements()), hung=outcomes["hung"],
         broken_streams=sum(b is not None for b in broken),
         worker_pids_unchanged=[w.pid for w in before.workers] == [w.pid for w in after.workers],
-        served_by_worker=[w.requests_served for w in after.workers], leftovers=daemon.leftovers,
+        served_by_worker=[w.requests_served for w in after.workers], leftovers=daemon.leftovers.as_dict(),
     )
 
 
@@ -912,7 +841,7 @@ def soak_client_kills(workdir: Path, rounds: int) -> dict:
                     child.kill()
                     child.wait()
     return dict(phase="client_kills", rounds=rounds, max_stop_s=round(max(stop_times), 3),
-                hung=sum(t == math.inf for t in stop_times), leftovers=daemon.leftovers)
+                hung=sum(t == math.inf for t in stop_times), leftovers=daemon.leftovers.as_dict())
 
 
 STREAMING_CLIENT = """
@@ -957,26 +886,20 @@ def soak_restarts(workdir: Path, cycles: int) -> dict:
     counts = []
     leaked_pids = []
     for _ in range(cycles):
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "ringstream.daemon.cli", "serve", "--instance", instance, "--engine", "synthetic",
-             "--devices", "cpu", "--socket", f"ipc://{workdir}/{instance}.sock"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, XDG_RUNTIME_DIR=str(workdir)))
-        wait_for(lambda: glob.glob(SEGMENT_GLOB.format(instance=instance)) or proc.poll() is not None, 60.0, 0.01)
-        children = _children(proc.pid)
-        proc.kill()
-        proc.wait()
-        _, alive = psutil.wait_procs(children, timeout=CHILD_EXIT_S)
-        leaked_pids += [p.pid for p in alive]
-        counts.append(len(glob.glob(SEGMENT_GLOB.format(instance=instance))))
+        # the rings outlive each killed front, for the next start to reclaim
+        with contextlib.closing(DaemonProcess("--engine", "synthetic", "--devices", "cpu", runtime_dir=workdir,
+                                              instance=instance, remove_segments=False)) as daemon:
+            daemon.start(wait_ready=False)
+            wait_for(lambda: daemon.segments() or daemon.proc.poll() is not None, 60.0, 0.01)
+            daemon.stop(signal.SIGKILL)
+        leaked_pids += daemon.leftovers.processes
+        counts.append(len(daemon.segments()))
     with soak_daemon(workdir, "--engine", "synthetic", "--devices", "cpu", instance=instance) as last:
         with Client(last.address) as client:
             client.complete(prompt_token_ids=[5, 6, 7], max_tokens=3)
-    leaked_pids += last.leftovers["processes"]
-    final = glob.glob(SEGMENT_GLOB.format(instance=instance))
-    for path in final:
-        os.unlink(path)
+    leaked_pids += last.leftovers.processes
     return dict(phase="restarts", cycles=cycles, max_segments=max(counts), leaked_processes=len(leaked_pids),
-                segments_left=len(final))
+                segments_left=len(last.leftovers.segments))
 
 
 # --------------------------------------------------------------------------- command line

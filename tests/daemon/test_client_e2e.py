@@ -8,7 +8,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
@@ -19,6 +18,7 @@ from ringstream.ipc import protocol as P
 from ringstream.ipc.client import (
     PROBE_AFTER_S, AsyncClient, Client, DaemonUnavailable, InvalidRequest, RingstreamError, UnknownRequest,
 )
+from ringstream.tools.daemon_process import serve_command
 from tests.daemon_helpers import running_daemon, wait_exit
 
 
@@ -59,8 +59,7 @@ def test_streams_of_a_crashed_daemon_end_after_its_restart(tmp_path):
 
 def test_a_second_daemon_cannot_take_over_a_live_socket(tmp_path):
     with running_daemon(tmp_path) as first:
-        cmd = [sys.executable, "-m", "ringstream.daemon.cli", "serve", "--instance", "intruder", "--socket", first.address]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+        out = subprocess.run(serve_command("intruder", first.address), capture_output=True, text=True, timeout=120,
                              env={"XDG_RUNTIME_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"})
         assert out.returncode == 1 and "in use" in out.stderr, out.stderr
         with Client(first.address) as client:

@@ -7,7 +7,6 @@ import os
 import resource
 import shutil
 import subprocess
-import sys
 import time
 import uuid
 
@@ -16,6 +15,7 @@ import pytest
 
 from ringstream.daemon.supervisor import open_files_needed
 from ringstream.ipc.client import Client
+from ringstream.tools.daemon_process import serve_command
 from tests.daemon_helpers import running_daemon, wait_exit
 from tests.reliability.helpers import write_config
 from ringstream.tools.soak import wait_for
@@ -41,8 +41,7 @@ def test_a_dev_shm_too_small_for_the_default_rings_is_a_clear_start_error(tmp_pa
     if probe.returncode != 0:
         pytest.skip("needs unshare --mount (root or CAP_SYS_ADMIN)")
     instance = f"shm{uuid.uuid4().hex[:8]}"
-    serve = [sys.executable, "-m", "ringstream.daemon.cli", "serve", "--instance", instance, *SYNTHETIC,
-             "--socket", f"ipc://{tmp_path}/{instance}.sock"]
+    serve = serve_command(instance, f"ipc://{tmp_path}/{instance}.sock", SYNTHETIC)
     script = 'mount -t tmpfs -o size=64k tmpfs /dev/shm && exec "$@"'
     result = subprocess.run(["unshare", "--mount", "sh", "-c", script, "sh", *serve], capture_output=True, text=True,
                             timeout=START_FAILURE_S, env=dict(os.environ, XDG_RUNTIME_DIR=str(tmp_path)))
