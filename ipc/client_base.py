@@ -179,7 +179,7 @@ class ClientBase:
                                          curve_secret_key)
         self._streams: dict[str, Stream] = {}
         self._waiters: deque = deque()
-        """``status()`` / ``admin()`` calls waiting for their answer, oldest first (futures or :class:`_Reply`)."""
+        """``status()`` / ``admin()`` calls waiting for their answer, oldest first (futures, or the blocking client's stand-ins)."""
         self._closed = False
         self._ids = itertools.count()
         self._prefix = os.urandom(4).hex()
