@@ -44,7 +44,8 @@ def unsupported_feature(config, max_model_len: int) -> str | None:
     layer_types = getattr(config, "layer_types", None) or ()
     others = sorted({t for t in layer_types if t not in FULL_ATTENTION_LAYER_TYPES})
     if others:
-        return f"layers of type {', '.join(others)} (only attention layers are supported)"
+        return (f"layers of type {', '.join(others)} (state-space, convolution or linear-attention layers; only "
+                "attention layers are supported)")
     if getattr(config, "kv_lora_rank", None):
         return ("multi-head latent attention (kv_lora_rank): transformers caches the compressed latent and expands "
                 "it inside the layer over the whole cache, which a paged KV pool cannot hand it")

@@ -41,13 +41,14 @@ import signal
 import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from ringstream.daemon import __version__
+from ringstream.daemon.clients import ClientState, ClientTable
 from ringstream.daemon.config import Config, load_config, parse_devices, runtime_dir
 from ringstream.daemon.metrics import Metrics
 from ringstream.daemon.model import ModelInfo, load_tokenizer, resolve_model_dir
@@ -86,9 +87,6 @@ ABORT_GRACE_S = 2.0
 """At shutdown, how long aborted streams get to be confirmed by their worker."""
 TIMEOUT_MARGIN_S = 10.0
 """Slack added to the start/stop times announced to systemd (EXTEND_TIMEOUT_USEC)."""
-STUCK_GIVE_UP_FACTOR = 2
-"""A client that has not read for ``client_timeout_s`` has its requests cancelled; their terminal
-messages stay pending until it reads, for at most this many ``client_timeout_s`` in all."""
 INLINE_TOKENIZE_CHARS = 4096
 """Prompts up to this many characters are tokenised on the event loop (about 10 ms at worst); longer ones on
 the tokenizer thread, so that no single frame can stall every other client."""
@@ -122,17 +120,6 @@ def kv_cache_usage(load: P.WorkerHeartbeat) -> float:
     return 1.0 - load.kv_blocks_free / load.kv_blocks_total
 
 
-@dataclass(slots=True)
-class ClientState:
-    """Requests open for one client identity, and when it last spoke."""
-
-    last_seen: float
-    requests: dict[str, Request] = field(default_factory=dict)
-    blocked_since: float = 0.0
-    connection: int | None = None
-    """Serial of the connection this identity's requests arrived on (None: not tracked)."""
-
-
 class Front:
     """The daemon's front process; ``await Front(config).run()`` serves until a stop signal."""
 
@@ -151,7 +138,7 @@ class Front:
         self.aborted_at_shutdown: list[Request] = []
         self.exit_code = 0
         self.ctx = zmq.asyncio.Context()
-        self.clients: dict[bytes, ClientState] = {}
+        self.clients = ClientTable()
         self.by_handle: dict[int, Request] = {}
         self.handles = itertools.count(1)
         self.scheduler = Scheduler(policy_of(config))
@@ -171,11 +158,6 @@ class Front:
         self.event_pump: SocketPump | None = None
         self.monitor: zmq.Socket | None = None
         self.authenticator = None
-        self.connections: dict[int, int] = {}
-        """Open client connections: file descriptor -> connection serial."""
-        self.connection_identity: dict[int, bytes] = {}
-        """Connection serial -> the identity its last message carried."""
-        self.connection_serials = itertools.count(1)
         self.tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ringstream-tokenize")
         self.tokenizing = 0
         """Long prompts handed to the tokenizer thread and not yet back."""
@@ -640,7 +622,7 @@ class Front:
             fd = part.get(zmq.SRCFD)
         except zmq.ZMQError:
             return None
-        return self.connections.get(fd)
+        return self.clients.connection_of(fd)
 
     def _poll_connections(self) -> None:
         """Apply every pending connection event of the client socket (never blocks).
@@ -656,26 +638,18 @@ class Front:
                 return
             event, fd = MONITOR_EVENT.unpack(event_frame)
             if event == zmq.EVENT_ACCEPTED:
-                self.connections[fd] = next(self.connection_serials)
-            elif event == zmq.EVENT_DISCONNECTED:
-                serial = self.connections.pop(fd, None)
-                identity = self.connection_identity.pop(serial, None)
-                client = self.clients.get(identity) if identity is not None else None
-                if client is not None and client.connection == serial:
-                    self.counters["clients_disconnected_total"] += 1
-                    self._client_gone(identity, "disconnected")
+                self.clients.connection_accepted(fd)
+            elif event == zmq.EVENT_DISCONNECTED and (identity := self.clients.connection_closed(fd)) is not None:
+                self.counters["clients_disconnected_total"] += 1
+                self._client_gone(identity, "disconnected")
 
     def _on_frames(self, frames: list[bytes], connection: int | None = None) -> None:
         identity = frames[0]
         now = time.monotonic()
-        client = self.clients.get(identity)
-        if connection is not None:
-            self.connection_identity[connection] = identity
-            if client is not None and client.connection not in (None, connection):
-                self._client_gone(identity, "connected again")  # its previous connection's requests end unseen
-                client = None
-        if client is not None:
-            client.last_seen = now
+        client, reconnected = self.clients.heard(identity, connection, now)
+        if reconnected:
+            self._client_gone(identity, "connected again")  # its previous connection's requests end unseen
+            client = None
         if len(frames) != 2:
             self.counters["dropped_frames_total"] += 1
             self.metrics.dropped.labels("frame_count").inc()
@@ -752,10 +726,7 @@ class Front:
         if displaced is not None:
             self._end(displaced, P.Error(id=displaced.id, code=P.ErrorCode.QUEUE_FULL,
                                          message="displaced from the full queue by a more urgent request"))
-        client = self.clients.get(req.client)
-        if client is None:
-            client = self.clients[req.client] = ClientState(last_seen=time.monotonic(), connection=connection)
-        client.requests[req.id] = req
+        self.clients.add(req, connection, time.monotonic())
         self.by_handle[req.handle] = req
         self.counters["requests_total"] += 1
         self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
@@ -773,10 +744,7 @@ class Front:
         if self.tokenizing >= MAX_TOKENIZING:
             self._reject(req, P.ErrorCode.QUEUE_FULL, f"{self.tokenizing} long prompts are being tokenised already")
             return
-        client = self.clients.get(req.client)
-        if client is None:
-            client = self.clients[req.client] = ClientState(last_seen=req.arrival, connection=connection)
-        client.requests[req.id] = req
+        self.clients.add(req, connection, req.arrival)
         self.tokenizing += 1
         future = asyncio.get_running_loop().run_in_executor(
             self.tokenizer_pool, functools.partial(self.validator.tokenize, req.msg.prompt, release_gil=True))
@@ -943,23 +911,18 @@ class Front:
         for req in list(self.blocked.values()):
             if self.blocked.get(req.handle) is req:
                 self._flush(req)
-        for client in self.clients.values():
+        for _, client in self.clients:
             if client.blocked_since and not any(r.handle in self.blocked for r in client.requests.values()):
                 client.blocked_since = 0.0
 
     def _forget(self, req: Request) -> None:
-        client = self.clients.get(req.client)
-        if client is not None:
-            if client.requests.get(req.id) is req:
-                del client.requests[req.id]
-            if not client.requests:
-                del self.clients[req.client]
+        self.clients.remove(req)
         self.blocked.pop(req.handle, None)
         self._advance_shutdown()
 
     def _client_gone(self, identity: bytes, why: str = "gone") -> None:
         """The client vanished (unroutable, silent, disconnected): cancel its requests, send nothing."""
-        client = self.clients.pop(identity, None)
+        client = self.clients.pop(identity)
         if client is None:
             return
         log.info("client %s %s; cancelling %d request(s)", identity.hex(), why, len(client.requests))
@@ -998,14 +961,13 @@ class Front:
             self.housekeeping_tick = now
             self._update_gauges()
             timeout = self.config.client_timeout_s  # a live setting: read at every tick
-            for identity, client in list(self.clients.items()):
-                stuck_s = now - client.blocked_since if client.blocked_since else 0.0
-                if now - client.last_seen > timeout:
+            for identity, client, verdict, seconds in self.clients.expired(now, timeout):
+                if verdict == "silent":
                     self._client_gone(identity, f"silent for {timeout:.1f} s")
-                elif stuck_s > STUCK_GIVE_UP_FACTOR * timeout:
-                    self._client_gone(identity, f"not reading for {stuck_s:.1f} s")
-                elif stuck_s > timeout:
-                    self._cancel_stuck(identity, client, stuck_s)
+                elif verdict == "gone":
+                    self._client_gone(identity, f"not reading for {seconds:.1f} s")
+                else:
+                    self._cancel_stuck(identity, client, seconds)
             for worker, budget in zip(self.workers, self.scheduler.workers):
                 silent_s = now - worker.last_heartbeat  # since its spawn, for a worker still starting
                 if not worker.alive:

@@ -32,7 +32,10 @@ def kv_cache_budget(model, device: torch.device, num_tokens: int, memory_utiliza
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     num_tokens = min(num_tokens, config.max_position_embeddings)
     if getattr(config, "_attn_implementation", "sdpa") != "sdpa":
-        model.set_attn_implementation("sdpa")
+        try:
+            model.set_attn_implementation("sdpa")
+        except ValueError:
+            model.set_attn_implementation("eager")  # refuses SDPA (e.g. softcapping): profile its eager attention
     input_ids = torch.zeros((1, num_tokens), dtype=torch.long, device=device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -193,7 +193,7 @@ def load_model(info: ModelInfo, device: str = "cpu", dtype: str = "float32"):
 
     Returns:
         A transformers ``PreTrainedModel`` for causal LM, in eval mode, on
-        ``device``, using SDPA attention.
+        ``device``, using SDPA attention (eager for a model that refuses SDPA).
 
     Raises:
         ModelError: ``dtype`` is unsupported, or the weights cannot be loaded
@@ -208,12 +208,16 @@ def load_model(info: ModelInfo, device: str = "cpu", dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            info.path,
-            dtype=getattr(torch, dtype),
-            attn_implementation="sdpa",
-            local_files_only=True,
-        )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                info.path, dtype=getattr(torch, dtype), attn_implementation="sdpa", local_files_only=True)
+        except ValueError as exc:
+            if "attn_implementation" not in str(exc) and "scaled_dot_product_attention" not in str(exc):
+                raise
+            # Gemma 2 (softcapping), GPT-OSS (sinks), and models with attention of their own refuse SDPA: load
+            # them with their eager attention; the engine then serves or refuses them by what they are.
+            model = AutoModelForCausalLM.from_pretrained(
+                info.path, dtype=getattr(torch, dtype), attn_implementation="eager", local_files_only=True)
         model.to(device)
     except Exception as exc:  # transformers and torch raise many unrelated types
         raise ModelError(f"cannot load model {info.path} on {device} as {dtype}: {exc}") from exc

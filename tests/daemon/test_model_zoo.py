@@ -20,7 +20,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ringstream.daemon.engine import Engine, EngineRequest, SamplingParams
 from ringstream.daemon.model import ModelError
-from tests.factories import TINY_VOCAB_SIZE, make_tokenizer
+from ringstream.daemon.model import load_model, resolve_model_dir
+from tests.factories import TINY_VOCAB_SIZE, make_tokenizer, save_tokenizer
 
 WINDOW = 12
 NEW_TOKENS = 16
@@ -233,3 +234,35 @@ def test_length_dependent_rope_is_fixed_once_for_every_request(tokenizer, caplog
     # long ones, as transformers computes them for a sequence past the original context.
     long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](model.config, seq_len=33)
     assert torch.equal(model.model.rotary_emb.inv_freq, long_inv_freq)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2 (softcapping, sliding window)",
+                                  "gpt_oss (attention sinks, sliding window, MoE)"])
+def test_served_through_the_daemons_loader(name, tokenizer, tmp_path):
+    """``--model DIR`` loads with SDPA, or eager for a model that refuses SDPA, and serves the same tokens."""
+    config_class, fields, _ = EXACT[name]
+    _model(config_class, fields).save_pretrained(tmp_path)
+    save_tokenizer(tokenizer, tmp_path)
+    model = load_model(resolve_model_dir(tmp_path))
+    expected, engine = _reference_and_engine(name, tokenizer, torch.float32)
+    served = Engine(model, tokenizer, max_num_seqs=8, max_num_batched_tokens=16, block_size=4,
+                    kv_cache_bytes=engine.kv_cache_bytes, eos_token_ids=(1,))  # pool sized by bytes: no profile
+    served.warmup()
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    requests = [EngineRequest(i, p, params) for i, p in enumerate(_prompts())]
+    for request in requests:
+        served.add(request)
+    while served.has_unfinished():
+        served.step()
+    assert [r.output_token_ids for r in requests] == expected
+
+
+@pytest.mark.parametrize("config_class, fields", [(T.BloomConfig, dict(n_layer=2, n_head=4)),
+                                                  (T.MptConfig, dict(d_model=32, n_heads=4, n_layers=2,
+                                                                     max_seq_len=256))])
+def test_loaded_models_outside_attention_interface_are_refused_by_name(config_class, fields, tokenizer, tmp_path):
+    _model(config_class, fields).save_pretrained(tmp_path)
+    save_tokenizer(tokenizer, tmp_path)
+    model = load_model(resolve_model_dir(tmp_path))
+    with pytest.raises(ModelError, match=NO_ATTENTION_INTERFACE):
+        Engine(model, tokenizer, max_num_seqs=2, block_size=4, num_blocks=200, eos_token_ids=(1,))

@@ -14,7 +14,8 @@ import time
 import pytest
 import zmq
 
-from ringstream.daemon.front import HOUSEKEEPING_S, STUCK_GIVE_UP_FACTOR
+from ringstream.daemon.clients import STUCK_GIVE_UP_FACTOR
+from ringstream.daemon.front import HOUSEKEEPING_S
 from ringstream.ipc import protocol as P
 from ringstream.ipc.client import Client, DaemonUnavailable
 from tests.daemon_helpers import running_daemon
