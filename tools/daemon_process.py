@@ -122,7 +122,8 @@ class DaemonProcess:
         *args: more ``serve`` arguments (``--engine synthetic``, ``--config FILE``...); a ``--socket`` or
             ``--instance`` among them wins over the generated one (keep ``address``/``instance`` in step).
         runtime_dir: the daemon's ``XDG_RUNTIME_DIR`` and the folder of its socket and log; default: a fresh
-            temporary directory, removed by :meth:`close`.
+            temporary directory, removed by :meth:`close`. Keep its path short: the daemon's ipc sockets under
+            it must fit the 107 bytes of a Unix socket address.
         instance: the instance name; default: ``prefix`` plus 10 random hex digits.
         address: the client socket; default ``ipc://RUNTIME_DIR/INSTANCE.sock``.
         env: more environment variables for the daemon.
