@@ -145,10 +145,6 @@ class Front:
         self.blocked: dict[int, Request] = {}
         self.retry_scheduled = False
         self.workers: list[WorkerProcess] = []
-        self.counters = dict(requests_total=0, tokens_generated_total=0, dropped_frames_total=0,
-                             invalid_requests_total=0, stale_records_total=0, preemptions_total=0,
-                             worker_restarts_total=0, internal_errors_total=0, client_sends_blocked_total=0,
-                             clients_disconnected_total=0, clients_stuck_total=0)
         self.model: ModelInfo | None = None
         self.validator: Validator | None = None
         self.lock: InstanceLock | None = None
@@ -410,7 +406,7 @@ class Front:
         try:
             event = P.EVENT_DECODER.decode(frame)
         except msgspec.DecodeError:
-            self.counters["dropped_frames_total"] += 1
+            self.metrics.dropped.labels("worker_event").inc()
             log.warning("undecodable worker event dropped")
             return
         try:
@@ -418,7 +414,7 @@ class Front:
         except Exception:
             # A bug met by one event must not stop the reading of every worker's events.
             log.exception("internal error handling worker event %r", event)
-            self.counters["internal_errors_total"] += 1
+            self.metrics.internal_errors.inc()
 
     def _handle_event(self, event) -> None:
         match event:
@@ -446,8 +442,6 @@ class Front:
             delta = value - last if value >= last else value
             if delta:
                 counter.inc(delta)
-                if name == "preemptions":
-                    self.counters["preemptions_total"] += delta
         self.worker_loads[beat.worker] = beat
 
     def _on_worker_ready(self, ready: P.WorkerReady) -> None:
@@ -508,7 +502,6 @@ class Front:
         now = time.monotonic()
         worker.failures = [t for t in worker.failures if now - t < RESTART_WINDOW_S] + [now]
         delay = min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** (len(worker.failures) - 1))
-        self.counters["worker_restarts_total"] += 1
         self.metrics.worker_restarts.inc()
         log.warning("restarting worker %d in %.1f s (%d failure(s) in %.0f s)",
                     worker.index, delay, len(worker.failures), RESTART_WINDOW_S)
@@ -535,7 +528,6 @@ class Front:
             for rec in records:
                 req = self.by_handle.get(rec.handle)
                 if req is None:
-                    self.counters["stale_records_total"] += 1
                     self.metrics.dropped.labels("stale_record").inc()
                     continue
                 if rec.kind == KIND_TOKEN:
@@ -557,7 +549,6 @@ class Front:
             if not records and ring.arm():
                 break
         if tokens:
-            self.counters["tokens_generated_total"] += tokens
             self.metrics.generation_tokens.inc(tokens)
         for req in touched.values():
             self._flush(req)
@@ -612,7 +603,7 @@ class Front:
         except Exception:
             # A bug met by one frame must not stop the serving of every client.
             log.exception("internal error handling a frame from client %s", frames[0].hex())
-            self.counters["internal_errors_total"] += 1
+            self.metrics.internal_errors.inc()
             self.metrics.dropped.labels("internal_error").inc()
             self._reply(frames[0], P.Error(id=None, code=P.ErrorCode.INTERNAL, message="internal error"))
 
@@ -640,7 +631,7 @@ class Front:
             if event == zmq.EVENT_ACCEPTED:
                 self.clients.connection_accepted(fd)
             elif event == zmq.EVENT_DISCONNECTED and (identity := self.clients.connection_closed(fd)) is not None:
-                self.counters["clients_disconnected_total"] += 1
+                self.metrics.client_events.labels("disconnected").inc()
                 self._client_gone(identity, "disconnected")
 
     def _on_frames(self, frames: list[bytes], connection: int | None = None) -> None:
@@ -651,7 +642,7 @@ class Front:
             self._client_gone(identity, "connected again")  # its previous connection's requests end unseen
             client = None
         if len(frames) != 2:
-            self.counters["dropped_frames_total"] += 1
+
             self.metrics.dropped.labels("frame_count").inc()
             self._reply(identity, P.Error(id=None, code=P.ErrorCode.INVALID_REQUEST,
                                           message=f"expected 1 message frame, got {len(frames) - 1}"))
@@ -659,7 +650,7 @@ class Front:
         try:
             msg = P.CLIENT_DECODER.decode(frames[1])
         except msgspec.DecodeError as exc:
-            self.counters["invalid_requests_total"] += 1
+            self.metrics.invalid.inc()
             self.metrics.dropped.labels("invalid").inc()
             rid = _guess_id(frames[1])
             if client is not None and rid in client.requests:
@@ -690,7 +681,7 @@ class Front:
     def _on_generate(self, identity: bytes, msg: P.Generate, now: float, connection: int | None = None) -> None:
         client = self.clients.get(identity)
         if client is not None and msg.id in client.requests:
-            self.counters["invalid_requests_total"] += 1
+            self.metrics.invalid.inc()
             self.metrics.dropped.labels("invalid").inc()
             self._reply(identity, P.Error(id=None, code=P.ErrorCode.INVALID_REQUEST,
                                           message=f"duplicate request id {msg.id!r}: it is still open"))
@@ -712,7 +703,7 @@ class Front:
     def _reject(self, req: Request, code: P.ErrorCode, message: str) -> None:
         """Refuse a request that was never admitted (it may hold its id while a long prompt is tokenised)."""
         if code != P.ErrorCode.QUEUE_FULL:
-            self.counters["invalid_requests_total"] += 1
+            self.metrics.invalid.inc()
             self.metrics.dropped.labels("invalid").inc()
         self._reply(req.client, P.Error(id=req.id, code=code, message=message))
         self._forget(req)
@@ -728,7 +719,7 @@ class Front:
                                          message="displaced from the full queue by a more urgent request"))
         self.clients.add(req, connection, time.monotonic())
         self.by_handle[req.handle] = req
-        self.counters["requests_total"] += 1
+        self.metrics.admitted.inc()
         self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
         self._start_timers(req)
         self._dispatch()
@@ -772,7 +763,7 @@ class Front:
             return
         except Exception:
             log.exception("tokenising the prompt of request %s failed", req.id)
-            self.counters["internal_errors_total"] += 1
+            self.metrics.internal_errors.inc()
             self._reply(req.client, P.Error(id=req.id, code=P.ErrorCode.INTERNAL, message="tokenisation failed"))
             self._forget(req)
             return
@@ -804,7 +795,6 @@ class Front:
                 return
             victim, index = preempted
             victim.status = RequestStatus.PREEMPTING
-            self.counters["preemptions_total"] += 1
             self.metrics.preemptions.labels(str(index), "priority").inc()
             self.scheduler.workers[index].preemptions += 1
             self.workers[index].send(P.Abort(handle=victim.handle))
@@ -894,7 +884,7 @@ class Front:
                 self._forget(req)
         elif result == "blocked":
             if req.handle not in self.blocked:
-                self.counters["client_sends_blocked_total"] += 1
+                self.metrics.client_events.labels("send_blocked").inc()
             self.blocked[req.handle] = req
             client = self.clients.get(req.client)
             if client and not client.blocked_since:
@@ -987,7 +977,7 @@ class Front:
         """Cancel the requests of a client that reads nothing; their last chunks wait for it to read again."""
         open_requests = [r for r in client.requests.values() if r.status < RequestStatus.ABORTING]
         if open_requests:
-            self.counters["clients_stuck_total"] += 1
+            self.metrics.client_events.labels("stuck").inc()
             log.info("client %s not reading for %.1f s; cancelling %d request(s)", identity.hex(), stuck_s,
                      len(open_requests))
         for req in open_requests:
@@ -1018,7 +1008,7 @@ class Front:
             beats = {w.index: w.last_heartbeat for w, b in zip(self.workers, self.scheduler.workers) if b.ready and w.alive}
             if self.watchdog_gate.ping_if_healthy(now - self.housekeeping_tick < max_age, beats, now, max_age):
                 self.notifier.status(f"{self.state}: {self.scheduler.num_running} running, "
-                                     f"{self.scheduler.num_waiting} waiting, {self.counters['requests_total']} requests")
+                                     f"{self.scheduler.num_waiting} waiting, {self.metrics.total('ringstream_requests_admitted')} requests")
             await asyncio.sleep(interval)
 
     # ------------------------------------------------------------ live settings
@@ -1099,6 +1089,7 @@ class Front:
 
     def status(self, notes: list[str] | tuple[str, ...] = ()) -> P.StatusReply:
         """Live figures, as sent to ``ringstream status`` (and after ``admin set``, with its ``notes``)."""
+        counters = self.metrics.counters()
         workers = [
             P.WorkerStatus(
                 index=w.index, device=w.device, pid=w.pid, alive=w.alive, running=b.running,
@@ -1116,10 +1107,10 @@ class Front:
             uptime_s=time.monotonic() - self.started, waiting=self.scheduler.num_waiting,
             running=self.scheduler.num_running, queue_size=self.scheduler.policy.queue_size,
             max_concurrency=self.scheduler.policy.max_concurrency,
-            requests_total=self.counters["requests_total"],
-            tokens_generated_total=self.counters["tokens_generated_total"], workers=workers,
+            requests_total=counters["requests_total"],
+            tokens_generated_total=counters["tokens_generated_total"], workers=workers,
             settings={name: getattr(self.config, name) for name in LIVE_SETTINGS if getattr(self.config, name) is not None},
-            counters=dict(self.counters),
+            counters=counters,
             metrics=self.metrics.snapshot(), notes=list(notes),
         )
 

@@ -58,6 +58,14 @@ class Metrics:
                                    ["worker", "cause"], registry=r)
         self.dropped = Counter("ringstream_dropped_messages", "Messages dropped or refused, by reason",
                                ["reason"], registry=r)
+        self.admitted = Counter("ringstream_requests_admitted", "Requests admitted to the queue", registry=r)
+        self.invalid = Counter("ringstream_invalid_requests", "Requests and frames refused as invalid", registry=r)
+        self.internal_errors = Counter("ringstream_internal_errors",
+                                       "Bugs met by one event and survived (each logged with its traceback)",
+                                       registry=r)
+        self.client_events = Counter("ringstream_client_events",
+                                     "Client trouble: disconnected with requests open, stuck (not reading), "
+                                     "send_blocked (a send met a full queue)", ["event"], registry=r)
         self._server = None
 
     def serve(self, port: int) -> None:
@@ -69,6 +77,34 @@ class Metrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+    def total(self, name: str, **labels: str) -> int:
+        """Sum of counter ``name`` (without ``_total``) over the samples whose labels include ``labels``."""
+        found = 0.0
+        for family in self.registry.collect():
+            if family.name != name:
+                continue
+            for sample in family.samples:
+                if sample.name.endswith("_total") and labels.items() <= sample.labels.items():
+                    found += sample.value
+        return int(found)
+
+    def counters(self) -> dict[str, int]:
+        """The status reply's ``counters``, each read from its Prometheus counter (one source for both)."""
+        return dict(
+            requests_total=self.total("ringstream_requests_admitted"),
+            tokens_generated_total=self.total("ringstream_generation_tokens"),
+            dropped_frames_total=self.total("ringstream_dropped_messages", reason="frame_count")
+            + self.total("ringstream_dropped_messages", reason="worker_event"),
+            invalid_requests_total=self.total("ringstream_invalid_requests"),
+            stale_records_total=self.total("ringstream_dropped_messages", reason="stale_record"),
+            preemptions_total=self.total("ringstream_preemptions"),
+            worker_restarts_total=self.total("ringstream_worker_restarts"),
+            internal_errors_total=self.total("ringstream_internal_errors"),
+            client_sends_blocked_total=self.total("ringstream_client_events", event="send_blocked"),
+            clients_disconnected_total=self.total("ringstream_client_events", event="disconnected"),
+            clients_stuck_total=self.total("ringstream_client_events", event="stuck"),
+        )
 
     def snapshot(self) -> dict[str, float]:
         """Every current sample as ``{"name{label=value,...}": value}`` (histogram buckets omitted)."""
