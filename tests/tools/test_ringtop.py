@@ -553,12 +553,12 @@ def test_sigkill_of_ringtop_leaves_the_daemon_serving(daemon) -> None:
 # -- the serving view --------------------------------------------------------------
 
 SERVING_COLUMNS = 80
-SERVING_STEP_MS = "20"
+SERVING_STEP_MS = "50"
 SERVING_CONCURRENCY = 2
 SERVING_STREAMS = 3
 """One more than the daemon runs at once: one request waits."""
 SERVING_TOKENS = 400
-"""At 20 ms a step, about 8 s of streaming: open while the view is looked at."""
+"""At 50 ms a step, about 20 s of streaming: open while the view is looked at."""
 SERVING_WAIT_S = 30.0
 SHORT_HEIGHT = 16
 LEAVE_ALTERNATE_SCREEN = "\x1b[?1049l"
@@ -578,10 +578,9 @@ def busy(address: str) -> Iterator[None]:
     """SERVING_STREAMS streams open on the daemon for the ``with`` block, then left (cancelled)."""
     stop = threading.Event()
     with contextlib.ExitStack() as streams:
-        started = [streams.enter_context(streaming(address, SERVING_TOKENS, stop))[0]
-                   for _ in range(SERVING_STREAMS)]
-        streams.callback(stop.set)
-        assert all(event.wait(STREAM_JOIN_S) for event in started[:SERVING_CONCURRENCY])
+        for _ in range(SERVING_STREAMS):
+            streams.enter_context(streaming(address, SERVING_TOKENS, stop))
+        streams.callback(stop.set)  # the waiting stream leaves once it is served: after the others left
         yield
 
 
