@@ -18,6 +18,7 @@ STDIN_PROMPT = "-"
 """The PROMPT argument that means: read the prompt from standard input."""
 STATUS_TIMEOUT_S = 5.0
 """Silence after which ``status`` and ``admin`` give up, seconds."""
+MS_PER_S = 1000
 
 
 def _add_address(parser: argparse.ArgumentParser) -> None:
@@ -248,6 +249,13 @@ def _admin(args: argparse.Namespace) -> int:
     return 0
 
 
+def _latency(seconds: float | None) -> str:
+    """A latency for people: ``12.3 ms``, ``1.50 s``; ``-`` when there is none yet."""
+    if seconds is None:
+        return "-"
+    return f"{seconds * MS_PER_S:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
 def _status(args: argparse.Namespace) -> int:
     from ringstream.ipc.client import RingstreamError
 
@@ -263,9 +271,14 @@ def _status(args: argparse.Namespace) -> int:
     print(f"ringstream {reply.version}: {reply.state}, up {reply.uptime_s:.0f} s; "
           f"{reply.running} running, {reply.waiting} waiting (queue {reply.queue_size}); "
           f"{reply.requests_total} requests, {reply.tokens_generated_total} tokens")
+    print(f"  model {reply.model or 'unknown'}")
+    print(f"  throughput {reply.tokens_per_s:.1f} tokens/s (last {reply.tokens_per_s_window_s:.0f} s); "
+          f"TTFT p50 {_latency(reply.ttft_p50_s)}, p99 {_latency(reply.ttft_p99_s)}; "
+          f"ITL p50 {_latency(reply.itl_p50_s)}, p99 {_latency(reply.itl_p99_s)}")
     for w in reply.workers:
         print(f"  worker {w.index} {w.device} pid {w.pid} {'alive' if w.alive else 'DEAD'}: "
-              f"{w.running}/{min(w.max_num_seqs, reply.max_concurrency)} running, KV cache {w.kv_cache_usage:.0%} "
+              f"{w.running}/{min(w.max_num_seqs, reply.max_concurrency)} running, {w.waiting} waiting, "
+              f"{w.tokens_per_s:.1f} tokens/s, KV cache {w.kv_cache_usage:.0%} "
               f"({w.kv_blocks_total - w.kv_blocks_free}/{w.kv_blocks_total} blocks of {w.block_size}), "
               f"prefix hits {w.prefix_cache_hits}/{w.prefix_cache_queries} tokens, "
               f"preemptions {w.preemptions_kv_cache} KV / {w.preemptions_priority} priority, ring {w.ring_fill:.0%}, served {w.requests_served}")

@@ -1090,6 +1090,14 @@ class Front:
     def status(self, notes: list[str] | tuple[str, ...] = ()) -> P.StatusReply:
         """Live figures, as sent to ``ringstream status`` (and after ``admin set``, with its ``notes``)."""
         counters = self.metrics.counters()
+        now = time.monotonic()
+        open_requests = list(self.by_handle.values())
+        rates = [0.0] * len(self.workers)
+        for req in open_requests:
+            if req.status == RequestStatus.RUNNING and req.worker is not None:
+                rates[req.worker] += decode_rate(req, now)
+        oldest = sorted(open_requests, key=lambda req: req.arrival)[:P.MAX_STATUS_REQUESTS]
+        generated = self.metrics.generation_tokens.recent
         workers = [
             P.WorkerStatus(
                 index=w.index, device=w.device, pid=w.pid, alive=w.alive, running=b.running,
@@ -1099,8 +1107,9 @@ class Front:
                 kv_cache_usage=kv_cache_usage(load), preemptions_kv_cache=load.preemptions,
                 preemptions_priority=b.preemptions,
                 prefix_cache_queries=load.prefix_cache_queries, prefix_cache_hits=load.prefix_cache_hits,
+                waiting=load.waiting, tokens_per_s=rate,
             )
-            for w, b, load in zip(self.workers, self.scheduler.workers, self.worker_loads)
+            for w, b, load, rate in zip(self.workers, self.scheduler.workers, self.worker_loads, rates)
         ]
         return P.StatusReply(
             version=__version__, ready=self.state == DaemonState.SERVING, state=self.state.value,
@@ -1112,7 +1121,29 @@ class Front:
             settings={name: getattr(self.config, name) for name in LIVE_SETTINGS if getattr(self.config, name) is not None},
             counters=counters,
             metrics=self.metrics.snapshot(), notes=list(notes),
+            model=str(self.model.path) if self.model is not None else "",
+            tokens_per_s=generated.rate(now), tokens_per_s_window_s=generated.window(now),
+            **self.metrics.latency_percentiles(),
+            requests_open=len(open_requests), requests=[request_info(req, now) for req in oldest],
         )
+
+
+def decode_rate(req: Request, now: float) -> float:
+    """Tokens per second a streaming request produced after its first token, up to ``now`` (0 before its second)."""
+    if not req.first_token or req.num_output_tokens < 2 or now <= req.first_token:
+        return 0.0
+    return (req.num_output_tokens - 1) / (now - req.first_token)
+
+
+def request_info(req: Request, now: float) -> P.RequestInfo:
+    """An open request as ``StatusReply.requests`` lists it."""
+    on_worker = req.worker if req.worker is not None else (
+        req.last_worker if req.status in (RequestStatus.PREEMPTING, RequestStatus.ABORTING) else None)
+    return P.RequestInfo(
+        id=req.id, priority=req.priority, state=req.status.name.lower(), worker=on_worker,
+        prompt_tokens=req.num_prompt_tokens, completion_tokens=req.num_output_tokens, max_tokens=req.max_tokens,
+        age_s=now - req.arrival, ttft_s=(req.first_token - req.arrival) if req.first_token else None,
+    )
 
 
 def refuse_live_socket(path: str) -> None:

@@ -9,6 +9,10 @@ them from its event loop; ``prometheus_client``'s exporter thread only reads.
 
 from __future__ import annotations
 
+import math
+import time
+from collections import deque
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -16,6 +20,86 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 """Histogram buckets for inter-token latency, seconds."""
 EXPORTER_HOST = "127.0.0.1"
+REPORTED_QUANTILES = (0.5, 0.99)
+"""Quantiles of TTFT and ITL that ``ringstream status`` reports."""
+PERCENT = 100
+THROUGHPUT_WINDOW_S = 10
+"""Seconds over which :attr:`Metrics.generation_tokens` keeps its recent rate (whole seconds)."""
+
+
+class RecentRate:
+    """Events per second over the last ``window_s`` seconds, counted in one-second buckets.
+
+    The window spans the current (partial) second and the ``window_s - 1``
+    whole seconds before it, or less while the meter is younger than that.
+    Times are ``time.monotonic()`` seconds.
+    """
+
+    def __init__(self, window_s: int, now: float) -> None:
+        self.window_s = window_s
+        self.started = now
+        self.buckets: deque[list[int]] = deque()
+        """``[second, count]``, oldest first; only seconds still inside the window."""
+
+    def add(self, count: int, now: float) -> None:
+        second = int(now)
+        if self.buckets and self.buckets[-1][0] == second:
+            self.buckets[-1][1] += count
+        else:
+            self.buckets.append([second, count])
+            self._trim(second)
+
+    def _trim(self, second: int) -> None:
+        oldest = second - self.window_s + 1
+        while self.buckets and self.buckets[0][0] < oldest:
+            self.buckets.popleft()
+
+    def window(self, now: float) -> float:
+        """The seconds the rate at ``now`` is taken over."""
+        return max(0.0, min(now - (int(now) - self.window_s + 1), now - self.started))
+
+    def rate(self, now: float) -> float:
+        """Events per second in the window ending at ``now`` (0 for an empty window)."""
+        self._trim(int(now))
+        span = self.window(now)
+        return sum(count for _, count in self.buckets) / span if span > 0 else 0.0
+
+
+class RatedCounter:
+    """A Prometheus counter that also keeps its :class:`RecentRate` (``recent``)."""
+
+    def __init__(self, counter: Counter, window_s: int) -> None:
+        self.counter = counter
+        self.recent = RecentRate(window_s, time.monotonic())
+
+    def inc(self, amount: int = 1) -> None:
+        self.counter.inc(amount)
+        self.recent.add(amount, time.monotonic())
+
+
+def histogram_quantile(histogram: Histogram, q: float) -> float | None:
+    """The ``q``-quantile (0..1) of an unlabelled histogram's observations, or None before any.
+
+    Estimated as Prometheus' ``histogram_quantile`` does: linear
+    interpolation inside the bucket that holds the rank (from 0 for the
+    first bucket); a rank in the ``+Inf`` bucket gives the highest finite
+    bound.
+    """
+    samples = histogram.collect()[0].samples
+    buckets = [(float(sample.labels["le"]), sample.value) for sample in samples if sample.name.endswith("_bucket")]
+    total = buckets[-1][1] if buckets else 0.0
+    if not total:
+        return None
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for bound, cumulative in buckets:
+        if cumulative >= rank:
+            if math.isinf(bound):
+                return lower
+            inside = cumulative - below
+            return lower + (bound - lower) * ((rank - below) / inside if inside else 0.0)
+        lower, below = bound, cumulative
+    return lower
 
 
 class Metrics:
@@ -36,7 +120,8 @@ class Metrics:
         self.queue_time = Histogram("ringstream_queue_time_seconds", "Arrival to first dispatch to a worker",
                                     buckets=LATENCY_BUCKETS_S, registry=r)
         self.prompt_tokens = Counter("ringstream_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
-        self.generation_tokens = Counter("ringstream_generation_tokens", "Tokens generated and streamed", registry=r)
+        self.generation_tokens = RatedCounter(
+            Counter("ringstream_generation_tokens", "Tokens generated and streamed", registry=r), THROUGHPUT_WINDOW_S)
         self.kv_cache_usage = Gauge("ringstream_kv_cache_usage_ratio",
                                     "KV-cache blocks held by requests / blocks in the pool (worker's report)",
                                     ["worker"], registry=r)
@@ -67,6 +152,12 @@ class Metrics:
                                      "Client trouble: disconnected with requests open, stuck (not reading), "
                                      "send_blocked (a send met a full queue)", ["event"], registry=r)
         self._server = None
+
+    def latency_percentiles(self) -> dict[str, float | None]:
+        """P50 and P99 of TTFT and ITL since the start, seconds (:func:`histogram_quantile`; None before any
+        sample), keyed as ``StatusReply``'s fields: ``ttft_p50_s``, ``ttft_p99_s``, ``itl_p50_s``, ``itl_p99_s``."""
+        return {f"{name}_p{round(q * PERCENT)}_s": histogram_quantile(histogram, q)
+                for name, histogram in (("ttft", self.ttft), ("itl", self.itl)) for q in REPORTED_QUANTILES}
 
     def serve(self, port: int) -> None:
         """Start the HTTP exporter on 127.0.0.1:``port`` (a daemon thread). Raises OSError if the port is taken."""

@@ -49,6 +49,8 @@ MAX_TOKEN_ID = 2**31 - 1
 MAX_SEED = 2**63 - 1
 MAX_ADMIN_SETTINGS = 32
 MAX_OPEN_IDS = 65_536
+MAX_STATUS_REQUESTS = 100
+"""Open requests a :class:`StatusReply` lists at most (the oldest), so that a reply stays small."""
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
 TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
@@ -228,6 +230,33 @@ class WorkerStatus(Struct, **_WIRE):
     prefix_cache_hits: int = 0
     preemptions_priority: int = 0
     """Requests preempted on this worker for more urgent ones (since the daemon started)."""
+    waiting: int = 0
+    """Requests assigned to this worker that its engine has not scheduled yet (no free KV blocks or batch
+    slot), as the worker last reported; the front's own queue is ``StatusReply.waiting``."""
+    tokens_per_s: float = 0.0
+    """Decode rate of the requests running here, tokens per second: the sum over them of the tokens each
+    streamed after its first one, divided by the seconds since that first token (an estimate; the exact
+    figure of the whole daemon is ``StatusReply.tokens_per_s``)."""
+
+
+class RequestInfo(Struct, **_WIRE):
+    """One open request as the front sees it (an entry of ``StatusReply.requests``)."""
+
+    id: str
+    """The client's request id (ids are scoped per client: two clients may use the same one)."""
+    priority: int
+    state: str
+    """``waiting`` (queued, or back after a preemption), ``running``, ``preempting`` or ``aborting``."""
+    worker: int | None = None
+    """The worker it runs on (or is being stopped on); None while waiting."""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    """Tokens streamed so far."""
+    max_tokens: int = 0
+    age_s: float = 0.0
+    """Seconds since it arrived."""
+    ttft_s: float | None = None
+    """Seconds from arrival to its first token; None before that token."""
 
 
 class StatusReply(Struct, tag="status_reply", **_WIRE):
@@ -250,6 +279,23 @@ class StatusReply(Struct, tag="status_reply", **_WIRE):
     """Every Prometheus sample of the daemon, ``{"name{label=value}": value}`` (no histogram buckets)."""
     notes: list[str] = []
     """After ``Admin``: what takes effect differently from what was asked (e.g. a value capped)."""
+    model: str = ""
+    """The model being served: its directory (``--model``, or the built-in model's)."""
+    tokens_per_s: float = 0.0
+    """Tokens streamed per second over the last ``tokens_per_s_window_s`` seconds (all workers)."""
+    tokens_per_s_window_s: float = 0.0
+    """The window of ``tokens_per_s``, seconds (shorter just after the start)."""
+    ttft_p50_s: float | None = None
+    """Median time to first token since the start, seconds, estimated from the TTFT histogram's buckets
+    (linear within a bucket, as Prometheus' ``histogram_quantile``); None before any first token."""
+    ttft_p99_s: float | None = None
+    itl_p50_s: float | None = None
+    """Median inter-token latency since the start, seconds (same estimate, ITL histogram)."""
+    itl_p99_s: float | None = None
+    requests_open: int = 0
+    """Requests admitted and not yet ended (waiting, running, preempting, aborting)."""
+    requests: list[RequestInfo] = []
+    """The oldest open requests, oldest first: at most ``MAX_STATUS_REQUESTS`` of ``requests_open``."""
 
 
 ServerMessage = Union[Chunk, Error, HeartbeatAck, StatusReply]

@@ -1,34 +1,53 @@
-"""ringstream-top: a read-only view of the token rings of a ringstream instance.
+"""ringstream-top: a live view of a ringstream instance: what it serves, and its token rings.
 
-Each worker process of a daemon instance streams its tokens to the front
-through one shared-memory ring, ``/dev/shm/ringstream-<instance>-w<index>``
-(layout in :mod:`ringstream.ipc.ring`).  This tool maps every ring of the instance
-read-only with :class:`ringstream.ipc.ring.RingObserver`, follows the records as the
-worker publishes them, and shows per worker: the ring header, the positions
-and fill level, records and bytes per second, the waiting flags, the requests
-in flight with their last ``seq``, and how the requests it saw ended.
+Two views:
 
-It imports only :mod:`ringstream.ipc.ring`, :mod:`ringstream.ipc.protocol`, msgspec and rich, so it
-runs without the daemon's code or torch.  It never writes to a ring, takes no
-lock the daemon uses and owns nothing, so it can be killed at any moment
-without effect on the daemon.  What it reports is sampled: a follower that
-falls more than about half a ring behind the worker is *lapped* and misses
-records (counted as ``laps``).
+* **serving** (the default when a daemon answers on its client socket): per
+  worker its running and waiting requests, KV-cache use and tokens per
+  second; per open request its id, priority, state, tokens so far, age and
+  TTFT; the daemon's model, throughput and latency percentiles. It asks the
+  daemon (a read-only ``Status`` message, see
+  :mod:`ringstream.tools.ringtop_serving`) and fits 80 columns;
+* **rings**: a ring debugger.  Each worker process streams its tokens to the
+  front through one shared-memory ring, ``/dev/shm/ringstream-<instance>-w<index>``
+  (layout in :mod:`ringstream.ipc.ring`).  This view maps every ring of the
+  instance read-only with :class:`ringstream.ipc.ring.RingObserver`, follows the
+  records as the worker publishes them, and shows per worker: the ring header,
+  the positions and fill level, records and bytes per second, the waiting
+  flags, the requests in flight with their last ``seq``, and how the requests
+  it saw ended.
+
+It imports only :mod:`ringstream.ipc` (and its sibling view module, which does
+the same), msgspec and rich, so it runs without the daemon's code or torch.  It
+never writes to a ring, takes no lock the daemon uses and owns nothing, so it
+can be killed at any moment without effect on the daemon.  What the ring view
+reports is sampled: a follower that falls more than about half a ring behind
+the worker is *lapped* and misses records (counted as ``laps``).
 
 Usage::
 
-    ringstream-top [--instance NAME] [--once] [--json] [--dump N] [--interval S]
+    ringstream-top [--instance NAME] [--socket ADDR] [--view auto|serving|rings]
+                   [--once] [--json] [--dump N] [--interval S]
 
-* no option, stdout a terminal: a live full-screen table, refreshed every
-  ``--interval`` seconds until Ctrl-C;
-* ``--once`` (or stdout not a terminal): one summary after sampling for
+* no option, stdout a terminal: a live full-screen view, refreshed every
+  ``--interval`` seconds: the serving view if the daemon answers, else the
+  rings.  Keys: ``s`` serving view, ``r`` rings view, ``q`` (or Ctrl-C) quit;
+  the terminal is restored on the way out;
+* ``--once`` (or stdout not a terminal): one ring summary after sampling for
   ``--interval`` seconds; with ``--json`` one JSON document instead;
-* ``--dump N``: the last N records seen per worker, decoded, after following
-  for up to ``--interval`` seconds (less once N records were seen).
+* ``--dump N``: the last N ring records seen per worker, decoded, after
+  following for up to ``--interval`` seconds (less once N records were seen);
+* ``--view serving`` with ``--once`` (or stdout not a terminal): the serving
+  view once, as text; with ``--json`` the daemon's status reply as JSON.
 
-Exit status: 0 on success (also on Ctrl-C in the live view), 1 when the
-instance has no ring that can be read (or ``/dev/shm`` cannot be listed), 2
-for a usage error, 130 when a one-shot sample is interrupted.
+The daemon's address: ``--socket``; else that of ``--instance`` when given
+(its per-user socket); else what every client uses (``$RINGSTREAM_SOCKET``,
+the systemd service's socket, the per-user socket of instance ``default``).
+
+Exit status: 0 on success (also on ``q`` or Ctrl-C in the live view), 1 when
+nothing can be shown (no daemon answers and the instance has no ring that can
+be read, ``/dev/shm`` cannot be listed, or ``--view serving`` and no daemon
+answers), 2 for a usage error, 130 when a one-shot sample is interrupted.
 """
 
 from __future__ import annotations
@@ -51,6 +70,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ringstream.ipc import protocol as P
+from ringstream.ipc.address import check_address, client_socket, default_socket
 from ringstream.ipc.ring import (
     KIND_ERROR,
     KIND_FINISH,
@@ -61,6 +81,8 @@ from ringstream.ipc.ring import (
     RingObserver,
     validate_name,
 )
+from ringstream.tools.ringtop_keys import KEYS_HELP, VIEW_RINGS, VIEW_SERVING, KeyReader, handle_keys
+from ringstream.tools.ringtop_serving import StatusPoller, render_serving
 
 __all__ = [
     "Monitor",
@@ -99,6 +121,11 @@ BYTE_UNIT_STEP = 1024
 IN_FLIGHT_SHOWN = 6
 """Requests in flight listed per worker in the text and live views."""
 JSON_INDENT = 2
+
+VIEW_AUTO = "auto"
+VIEWS = (VIEW_AUTO, VIEW_SERVING, VIEW_RINGS)
+PROBE_TIMEOUT_S = 2.0
+"""How long the start waits for the daemon's first status reply before it shows the rings, seconds."""
 
 KIND_NAMES = {KIND_TOKEN: "TOKEN", KIND_FINISH: "FINISH", KIND_ERROR: "ERROR"}
 FINISH_REASONS = list(P.FinishReason)
@@ -575,14 +602,14 @@ def format_dump(document: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def render_live(document: dict[str, Any], refresh_s: float) -> Group:
-    """The live view of a :meth:`Monitor.report` document: a title line and
-    one table row per worker; ``refresh_s`` is the refresh period shown in
-    the title, in seconds."""
+def render_live(document: dict[str, Any], refresh_s: float, keys_help: str = "Ctrl-C to quit") -> Group:
+    """The live ring view of a :meth:`Monitor.report` document: a title line
+    and one table row per worker; ``refresh_s`` is the refresh period shown
+    in the title, in seconds, ``keys_help`` the keys it names."""
     clock = datetime.fromtimestamp(document["time"]).strftime("%H:%M:%S")
     title = Text(
         f"{PROG}  instance {document['instance']}  {clock}  "
-        f"every {refresh_s:g} s  (Ctrl-C to quit)",
+        f"every {refresh_s:g} s  ({keys_help})",
         style="bold",
     )
     table = Table(expand=True)
@@ -649,10 +676,21 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``ringstream-top``."""
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="Watch the shared-memory token rings of a ringstream instance (read-only).",
+        description="Watch a ringstream instance: what it serves (from its status) and its "
+        "shared-memory token rings (read-only).",
     )
     parser.add_argument(
-        "--instance", default=DEFAULT_INSTANCE, help="daemon instance name (default: %(default)s)"
+        "--instance", help=f"daemon instance name (default: {DEFAULT_INSTANCE})"
+    )
+    parser.add_argument(
+        "--socket", metavar="ADDR",
+        help="the daemon's address, ipc://PATH or tcp://HOST:PORT (default: the instance's, "
+        "else the clients' default)",
+    )
+    parser.add_argument(
+        "--view", choices=VIEWS, default=VIEW_AUTO,
+        help="serving: the daemon's requests and workers; rings: the token rings; auto: serving "
+        "when the daemon answers in the live view, else rings (default: %(default)s)",
     )
     parser.add_argument("--once", action="store_true", help="print one summary and exit")
     parser.add_argument("--json", action="store_true", help="print one JSON document and exit")
@@ -694,15 +732,63 @@ def _one_shot(monitor: Monitor, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _live(monitor: Monitor, interval_s: float) -> int:
+def _serving_once(poller: StatusPoller, args: argparse.Namespace) -> int:
+    reply = poller.reply
+    if args.json:
+        print(json.dumps(P.to_dict(reply), indent=JSON_INDENT), flush=True)
+        return EXIT_OK
     console = Console()
-    document = monitor.report(0.0)
-    view = render_live(document, interval_s)
-    with Live(view, console=console, screen=True, auto_refresh=False) as live:
+    console.print(render_serving(reply, width=console.width, clock=time.time(), address=poller.address,
+                                 refresh_s=args.interval))
+    return EXIT_OK
+
+
+def _follow(monitor: Monitor, keys: KeyReader, duration_s: float) -> tuple[float, str]:
+    """Follow the rings for ``duration_s`` seconds or until a key is typed; (seconds spent, keys typed)."""
+    started = time.monotonic()
+    deadline = started + duration_s
+    while True:
+        monitor.poll()
+        now = time.monotonic()
+        if now >= deadline:
+            return now - started, ""
+        typed = keys.read(min(POLL_PERIOD_S, deadline - now))
+        if typed:
+            return time.monotonic() - started, typed
+
+
+def _live(monitor: Monitor, poller: StatusPoller, view: str, interval_s: float) -> int:
+    console = Console()
+    with KeyReader() as keys, Live(console=console, screen=True, auto_refresh=False) as live:
         while True:
-            elapsed = monitor.sample(interval_s)
-            monitor.refresh()
-            live.update(render_live(monitor.report(elapsed), interval_s), refresh=True)
+            if view == VIEW_SERVING:
+                poller.poll()
+                width, height = console.size
+                live.update(render_serving(poller.reply, width=width, height=height, clock=time.time(),
+                                           address=poller.address, refresh_s=interval_s,
+                                           error=poller.error, keys_help=KEYS_HELP), refresh=True)
+                typed = keys.read(interval_s)
+            else:
+                monitor.refresh()
+                live.update(render_live(monitor.report(0.0), interval_s, KEYS_HELP), refresh=True)
+                elapsed, typed = _follow(monitor, keys, interval_s)
+                while not typed:
+                    monitor.refresh()
+                    live.update(render_live(monitor.report(elapsed), interval_s, KEYS_HELP), refresh=True)
+                    elapsed, typed = _follow(monitor, keys, interval_s)
+            next_view = handle_keys(view, typed)
+            if next_view is None:
+                return EXIT_OK
+            view = next_view
+
+
+def _address(args: argparse.Namespace) -> str:
+    """The daemon's address the options name (ValueError for a malformed one)."""
+    if args.socket:
+        return check_address(args.socket, "--socket")
+    if args.instance is not None:
+        return default_socket(args.instance)
+    return client_socket()
 
 
 def _silence_stdout() -> None:
@@ -718,20 +804,34 @@ def main(argv: list[str] | None = None) -> int:
     docstring)."""
     args = build_parser().parse_args(argv)
     try:
-        monitor = Monitor(args.instance, keep_recent=args.dump or 0)
+        monitor = Monitor(args.instance or DEFAULT_INSTANCE, keep_recent=args.dump or 0)
     except ValueError as exc:
         print(f"{PROG}: invalid instance name: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    live = not (args.once or args.json or args.dump is not None) and sys.stdout.isatty()
     try:
+        poller = StatusPoller(_address(args), timeout_s=PROBE_TIMEOUT_S)
+    except ValueError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    one_shot = args.once or args.json or args.dump is not None or not sys.stdout.isatty()
+    view = args.view
+    try:
+        if view == VIEW_SERVING or (view == VIEW_AUTO and not one_shot):
+            if poller.poll() is not None:
+                view = VIEW_SERVING
+            elif view == VIEW_SERVING:
+                print(f"{PROG}: {poller.error}", file=sys.stderr)
+                return EXIT_NO_RINGS
+        if view == VIEW_SERVING:
+            return _serving_once(poller, args) if one_shot else _live(monitor, poller, view, args.interval)
         monitor.refresh()
         if not monitor.watches:
             return _no_rings(monitor)
-        if live:
-            return _live(monitor, args.interval)
-        return _one_shot(monitor, args)
+        if one_shot:
+            return _one_shot(monitor, args)
+        return _live(monitor, poller, VIEW_RINGS, args.interval)
     except KeyboardInterrupt:
-        return EXIT_OK if live else EXIT_INTERRUPTED
+        return EXIT_INTERRUPTED if one_shot else EXIT_OK
     except BrokenPipeError:
         _silence_stdout()
         return EXIT_OK
@@ -739,6 +839,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return EXIT_NO_RINGS
     finally:
+        poller.close()
         monitor.close()
 
 

@@ -366,6 +366,13 @@ def test_cli_generate_and_status(daemon):
     out = _cli("status", "--socket", daemon.address, "--json")
     status = json.loads(out.stdout)
     assert status["ready"] is True and status["workers"][0]["alive"] is True
+    assert status["model"] == str(resolve_model_dir(None).path)
+    assert status["ttft_p50_s"] > 0 and status["itl_p99_s"] > 0  # two streams of 5 tokens were served
+    assert status["tokens_per_s_window_s"] > 0 and status["requests_open"] == 0 and status["requests"] == []
+    out = _cli("status", "--socket", daemon.address)
+    assert out.returncode == 0, out.stderr
+    assert f"model {status['model']}" in out.stdout
+    assert "tokens/s" in out.stdout and "TTFT p50 " in out.stdout and "ITL p50 " in out.stdout
     out = _cli("generate", "--socket", daemon.address, "--max-tokens", "0", "x")
     assert out.returncode == 1 and "max_tokens" in out.stderr
 

@@ -59,6 +59,90 @@ def test_messages_of_an_older_peer_decode_with_defaults():
     assert P.SERVER_DECODER.decode(old_status).counters == {}
 
 
+def _status_reply(**fields) -> P.StatusReply:
+    worker = P.WorkerStatus(index=0, device="cpu", pid=7, alive=True, running=1, max_num_seqs=4, max_model_len=512,
+                            kv_cache_tokens=2048, kv_cache_tokens_used=64, ring_fill=0.0, requests_served=3,
+                            waiting=2, tokens_per_s=95.5)
+    return P.StatusReply(version="1", ready=True, state="serving", uptime_s=9.0, waiting=1, running=1, queue_size=10,
+                         max_concurrency=4, requests_total=5, tokens_generated_total=80, workers=[worker], **fields)
+
+
+def test_status_reply_with_requests_and_figures_round_trips():
+    reply = _status_reply(
+        model="/models/tiny", tokens_per_s=120.5, tokens_per_s_window_s=10.0, ttft_p50_s=0.01, ttft_p99_s=0.2,
+        itl_p50_s=0.005, itl_p99_s=0.02, requests_open=2,
+        requests=[P.RequestInfo(id="r1", priority=-1, state="running", worker=0, prompt_tokens=4,
+                                completion_tokens=9, max_tokens=16, age_s=1.5, ttft_s=0.05),
+                  P.RequestInfo(id="r2", priority=0, state="waiting", prompt_tokens=7, max_tokens=16, age_s=0.2)])
+    decoded = P.SERVER_DECODER.decode(P.encode(reply))
+    assert decoded == reply
+    assert decoded.requests[1].worker is None and decoded.requests[1].ttft_s is None
+    as_dict = P.to_dict(decoded)
+    assert as_dict["model"] == "/models/tiny" and as_dict["requests"][0]["ttft_s"] == 0.05
+    assert as_dict["workers"][0]["tokens_per_s"] == 95.5
+
+
+def test_status_reply_of_the_previous_version_decodes_with_defaults():
+    # The previous layout: StatusReply up to ``notes``, WorkerStatus up to ``preemptions_priority``.
+    old_worker = ["cpu", 7, True, 1, 4, 512, 2048, 64, 0.25, 3, 16, 128, 120, 0.06, 1, 10, 4, 2]
+    old_reply = ["status_reply", "1", True, "serving", 9.0, 1, 1, 10, 4, 5, 80, [[0, *old_worker]],
+                 {"max_concurrency": 4}, {"requests_total": 5}, {"ringstream_requests_running": 1.0}, ["a note"]]
+    reply = P.SERVER_DECODER.decode(msgspec.msgpack.encode(old_reply))
+    assert reply.notes == ["a note"] and reply.workers[0].preemptions_priority == 2
+    assert (reply.model, reply.tokens_per_s, reply.requests_open, reply.requests) == ("", 0.0, 0, [])
+    assert reply.ttft_p50_s is None and reply.itl_p99_s is None
+    assert (reply.workers[0].waiting, reply.workers[0].tokens_per_s) == (0, 0.0)
+
+
+
+class _PreviousWorkerStatus(msgspec.Struct, array_like=True, omit_defaults=True):
+    index: int
+    device: str
+    pid: int
+    alive: bool
+    running: int
+    max_num_seqs: int
+    max_model_len: int
+    kv_cache_tokens: int
+    kv_cache_tokens_used: int
+    ring_fill: float
+    requests_served: int
+    block_size: int = 1
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    kv_cache_usage: float = 0.0
+    preemptions_kv_cache: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    preemptions_priority: int = 0
+
+
+class _PreviousStatusReply(msgspec.Struct, tag="status_reply", array_like=True, omit_defaults=True):
+    version: str
+    ready: bool
+    state: str
+    uptime_s: float
+    waiting: int
+    running: int
+    queue_size: int
+    max_concurrency: int
+    requests_total: int
+    tokens_generated_total: int
+    workers: list[_PreviousWorkerStatus]
+    settings: dict = {}
+    counters: dict[str, int] = {}
+    metrics: dict[str, float] = {}
+    notes: list[str] = []
+
+
+def test_a_peer_of_the_previous_version_reads_a_status_reply():
+    reply = _status_reply(model="m", tokens_per_s=1.0, requests_open=1,
+                          requests=[P.RequestInfo(id="r", priority=0, state="waiting")], notes=["n"])
+    old = msgspec.msgpack.decode(P.encode(reply), type=_PreviousStatusReply)
+    assert (old.version, old.tokens_generated_total, old.notes) == ("1", 80, ["n"])
+    assert old.workers[0].requests_served == 3
+
+
 def test_newer_peer_fields_are_ignored():
     newer = msgspec.msgpack.encode(["cancel", "r1", "a field from the future"])
     assert P.CLIENT_DECODER.decode(newer) == P.Cancel(id="r1")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import glob
 import importlib
@@ -22,6 +23,7 @@ from contextlib import closing, contextmanager
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from ringstream.ipc import protocol as P
 from ringstream.ipc.client import Client
@@ -37,6 +39,8 @@ from ringstream.ipc.ring import (
 )
 from tests.daemon_helpers import running_daemon
 from ringstream.tools import ringtop
+from ringstream.tools.ringtop_keys import KEYS_HELP, VIEW_RINGS, VIEW_SERVING, handle_keys
+from ringstream.tools.ringtop_serving import StatusPoller, render_serving
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CAPACITY = 64 * 1024
@@ -121,13 +125,14 @@ def populate(consumer: RingConsumer, producer: RingProducer) -> None:
     consumer.commit()
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "ringstream.tools.ringtop", *args],
         capture_output=True,
         text=True,
         cwd=REPO_ROOT,
         timeout=CLI_TIMEOUT_S,
+        env=None if env is None else dict(os.environ, **env),
     )
 
 
@@ -389,26 +394,39 @@ class PtyOutput:
 
 
 @contextmanager
-def live_ringtop(instance: str) -> Iterator[tuple[subprocess.Popen[bytes], PtyOutput]]:
+def live_ringtop(instance: str, *args: str) -> Iterator[tuple[subprocess.Popen[bytes], PtyOutput]]:
     """Run ``ringstream-top`` in live mode on a pseudo-terminal."""
+    with live_terminal(LIVE_COLUMNS, "--instance", instance, *args) as (proc, output, _terminal, _settings):
+        yield proc, output
+
+
+@contextmanager
+def live_terminal(
+    columns: int, *args: str
+) -> Iterator[tuple[subprocess.Popen[bytes], PtyOutput, int, list]]:
+    """Run ``ringstream-top ARGS`` in live mode on a pseudo-terminal ``columns`` wide; yields the
+    process, its output, a descriptor of the terminal and the terminal's settings before the start."""
     master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", LIVE_ROWS, LIVE_COLUMNS, 0, 0))
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", LIVE_ROWS, columns, 0, 0))
+    settings = termios.tcgetattr(slave)
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ringstream.tools.ringtop", "--instance", instance,
-             "--interval", LIVE_INTERVAL_S],
+            [sys.executable, "-m", "ringstream.tools.ringtop", "--interval", LIVE_INTERVAL_S, *args],
             stdin=slave, stdout=slave, stderr=slave, cwd=REPO_ROOT,
             env=dict(os.environ, TERM="xterm-256color"),
         )
-    finally:
+    except BaseException:
         os.close(slave)
+        os.close(master)
+        raise
     output = PtyOutput(master)
     try:
-        yield proc, output
+        yield proc, output, slave, settings
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.wait(LIVE_EXIT_S)
+        os.close(slave)
         output.thread.join(LIVE_EXIT_S)
         os.close(master)
 
@@ -506,7 +524,7 @@ def test_sigkill_of_ringtop_leaves_the_daemon_serving(daemon) -> None:
     """ringtop is killed while it follows the ring, as the first chunk of a
     stream arrives: the stream still completes and the daemon serves the
     next request."""
-    with live_ringtop(daemon.instance) as (proc, output):
+    with live_ringtop(daemon.instance, "--view", "rings") as (proc, output):
         wait_until(
             lambda: f"{daemon.proc.pid} (alive)" in output.text() or proc.poll() is not None,
             LIVE_WAIT_S, "the live table",
@@ -530,3 +548,149 @@ def test_sigkill_of_ringtop_leaves_the_daemon_serving(daemon) -> None:
                                      ignore_eos=True)
     assert completion.finish_reason == P.FinishReason.LENGTH
     assert len(completion.token_ids) == STREAM_TOKENS
+
+
+# -- the serving view --------------------------------------------------------------
+
+SERVING_COLUMNS = 80
+SERVING_STEP_MS = "50"
+SERVING_CONCURRENCY = 2
+SERVING_STREAMS = 3
+"""One more than the daemon runs at once: one request waits."""
+SERVING_TOKENS = 400
+"""At 50 ms a step, about 20 s of streaming: open while the view is looked at."""
+SERVING_WAIT_S = 30.0
+SHORT_HEIGHT = 16
+LEAVE_ALTERNATE_SCREEN = "\x1b[?1049l"
+
+
+@pytest.fixture(scope="module")
+def synthetic_daemon(tmp_path_factory: pytest.TempPathFactory):
+    with running_daemon(
+        tmp_path_factory.mktemp("serving"), "--engine", "synthetic", "--devices", "cpu",
+        "--synthetic-step-ms", SERVING_STEP_MS, "--max-concurrency", str(SERVING_CONCURRENCY),
+    ) as running:
+        yield running
+
+
+@contextmanager
+def busy(address: str) -> Iterator[None]:
+    """SERVING_STREAMS streams open on the daemon for the ``with`` block, then left (cancelled)."""
+    stop = threading.Event()
+    with contextlib.ExitStack() as streams:
+        for _ in range(SERVING_STREAMS):
+            streams.enter_context(streaming(address, SERVING_TOKENS, stop))
+        streams.callback(stop.set)  # the waiting stream leaves once it is served: after the others left
+        yield
+
+
+def settled_status(poller: StatusPoller) -> P.StatusReply:
+    """A status in which every running request streamed a few tokens and one request waits."""
+    replies: list[P.StatusReply] = []
+
+    def settled() -> bool:
+        reply = poller.poll()
+        assert reply is not None, poller.error
+        replies.append(reply)
+        running = [r for r in reply.requests if r.state == "running"]
+        return (len(running) == SERVING_CONCURRENCY and all(r.completion_tokens > 2 for r in running)
+                and reply.waiting == SERVING_STREAMS - SERVING_CONCURRENCY)
+
+    wait_until(settled, SERVING_WAIT_S, "running and waiting requests in the status")
+    return replies[-1]
+
+
+def rendered(reply: P.StatusReply, width: int, height: int | None = None) -> list[str]:
+    console = Console(width=width, record=True, force_terminal=True, color_system=None)
+    console.print(render_serving(reply, width=width, height=height, clock=time.time(),
+                                 address="ipc:///a/long/runtime/directory/of/the/daemon/default.sock",
+                                 refresh_s=1.0, keys_help=KEYS_HELP))
+    return console.export_text().splitlines()
+
+
+def test_serving_view_of_a_synthetic_daemon_fits_80_columns(synthetic_daemon) -> None:
+    poller = StatusPoller(synthetic_daemon.address)
+    with busy(synthetic_daemon.address):
+        reply = settled_status(poller)
+        cli = run_cli("--socket", synthetic_daemon.address, "--view", "serving", "--once",
+                      env={"COLUMNS": str(SERVING_COLUMNS)})
+        cli_json = run_cli("--socket", synthetic_daemon.address, "--view", "serving", "--json")
+    poller.close()
+    assert reply.model.endswith("default_model")
+    assert reply.requests_open == SERVING_STREAMS and len(reply.requests) == SERVING_STREAMS
+    [waiting] = [r for r in reply.requests if r.state == "waiting"]
+    assert waiting.worker is None and waiting.ttft_s is None and waiting.completion_tokens == 0
+    for request in reply.requests:
+        assert request.prompt_tokens > 0 and request.max_tokens == SERVING_TOKENS and request.age_s > 0
+        if request.state == "running":
+            assert request.worker == 0 and request.ttft_s is not None and request.ttft_s > 0
+    [worker] = reply.workers
+    assert worker.running == SERVING_CONCURRENCY and worker.tokens_per_s > 0
+    assert reply.tokens_per_s > 0 and reply.ttft_p50_s is not None and reply.itl_p50_s is not None
+
+    lines = rendered(reply, SERVING_COLUMNS)
+    assert max(map(len, lines)) <= SERVING_COLUMNS, "\n".join(lines)
+    text = "\n".join(lines)
+    assert f"model {reply.model}"[:SERVING_COLUMNS - 1] in text and "TTFT p50" in text and "ITL p50" in text
+    for request in reply.requests:
+        [row] = [line for line in lines if line.startswith(request.id)]
+        assert request.state in row and f"{request.completion_tokens}/{SERVING_TOKENS}" in row
+    assert f"{SERVING_STREAMS} open request(s)" in text
+
+    short = rendered(reply, SERVING_COLUMNS, height=SHORT_HEIGHT)
+    assert len(short) <= SHORT_HEIGHT and max(map(len, short)) <= SERVING_COLUMNS, "\n".join(short)
+    assert f"of {SERVING_STREAMS} open requests shown" in "\n".join(short)
+
+    assert cli.returncode == 0, cli.stderr
+    assert max(map(len, cli.stdout.splitlines())) <= SERVING_COLUMNS, cli.stdout
+    assert "workers" in cli.stdout and "requests (oldest first)" in cli.stdout
+    assert cli_json.returncode == 0, cli_json.stderr
+    document = json.loads(cli_json.stdout)
+    assert document["model"] == reply.model and len(document["requests"]) == SERVING_STREAMS
+
+
+def test_serving_view_without_a_daemon() -> None:
+    lines = rendered(None, SERVING_COLUMNS)
+    assert any("waiting for the daemon" in line for line in lines)
+    result = run_cli("--socket", "ipc:///nonexistent/ringstream.sock", "--view", "serving", "--once")
+    assert result.returncode == 1 and "no daemon at" in result.stderr
+
+
+def test_keys_quit_and_switch_views() -> None:
+    assert handle_keys(VIEW_SERVING, "q") is None
+    assert handle_keys(VIEW_RINGS, "Q") is None
+    assert handle_keys(VIEW_SERVING, "r") == VIEW_RINGS
+    assert handle_keys(VIEW_RINGS, "s") == VIEW_SERVING
+    assert handle_keys(VIEW_SERVING, "x") == VIEW_SERVING
+    assert handle_keys(VIEW_SERVING, "\x1b[12;40R") == VIEW_SERVING  # a terminal's report, not a key
+    assert handle_keys(VIEW_SERVING, "rsq") is None
+
+
+def test_live_serving_view_quits_on_q_and_restores_the_terminal(synthetic_daemon) -> None:
+    args = ("--instance", synthetic_daemon.instance, "--socket", synthetic_daemon.address)
+    with busy(synthetic_daemon.address):
+        with live_terminal(SERVING_COLUMNS, *args) as (proc, output, terminal, before):
+            wait_until(lambda: "open request" in output.text() or proc.poll() is not None,
+                       LIVE_WAIT_S, "the serving view")
+            assert proc.poll() is None, output.text()
+            assert "requests (oldest first)" in output.text() and "default_model" in output.text()
+            assert termios.tcgetattr(terminal) != before  # cbreak: no echo, no line buffering
+            shown = len(output.text())
+            os.write(output.master, b"r")
+            wait_until(lambda: f"instance {synthetic_daemon.instance}" in output.text()[shown:]
+                       or proc.poll() is not None, LIVE_WAIT_S, "the rings view")
+            shown = len(output.text())
+            os.write(output.master, b"s")
+            wait_until(lambda: "open request" in output.text()[shown:] or proc.poll() is not None,
+                       LIVE_WAIT_S, "the serving view again")
+            os.write(output.master, b"q")
+            assert proc.wait(LIVE_EXIT_S) == 0, output.text()
+            assert termios.tcgetattr(terminal) == before
+            output.thread.join(LIVE_EXIT_S)
+            assert LEAVE_ALTERNATE_SCREEN in output.text()
+        with live_terminal(SERVING_COLUMNS, *args) as (proc, output, terminal, before):
+            wait_until(lambda: "open request" in output.text() or proc.poll() is not None,
+                       LIVE_WAIT_S, "the serving view")
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(LIVE_EXIT_S) == 0, output.text()
+            assert termios.tcgetattr(terminal) == before
