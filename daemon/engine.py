@@ -71,9 +71,9 @@ from ringstream.daemon.engine_api import (
     TokenOutput,
     check_request,
 )
-from ringstream.daemon.families import kv_shape, sliding_window, unsupported_feature
+from ringstream.daemon.families import configured_window, kv_shape, sliding_window, unsupported_feature
 from ringstream.daemon.model import ModelError
-from ringstream.daemon.rope import fix_rope_frequencies
+from ringstream.daemon.rope import check_batch_independent, fix_rope_frequencies
 from ringstream.daemon.kv_cache import PagedKVCache, build_metadata
 from ringstream.daemon.memory import kv_cache_budget
 from ringstream.daemon.sampler import SamplingTensors, sample, token_seed
@@ -194,7 +194,7 @@ class Engine(BaseEngine):
         max_positions = getattr(config, "max_position_embeddings", None)
         if max_model_len is None:
             max_model_len = max_positions
-        problem = unsupported_feature(config, max_model_len or sys.maxsize)
+        problem = unsupported_feature(config, max_model_len or sys.maxsize, max_num_batched_tokens)
         if problem is None and not getattr(type(model), "_supports_attention_backend", False):
             problem = ("it does not route its attention through transformers' AttentionInterface (its layers run "
                        "their own attention and cache code)")
@@ -204,10 +204,10 @@ class Engine(BaseEngine):
             raise ModelError(f"{name} cannot be served exactly: {problem}")
         if not 2 <= max_model_len <= max_positions:
             raise ValueError(f"max_model_len must be in [2, {max_positions}], got {max_model_len}")
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+        for setting, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("block_size", block_size)):
             if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+                raise ValueError(f"{setting} must be >= 1, got {value}")
         if max_num_batched_tokens < max_num_seqs:
             # Decodes go first: a budget below the batch would let the same rows take it every step.
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
@@ -225,7 +225,11 @@ class Engine(BaseEngine):
         self.dtype = next(model.parameters()).dtype
 
         num_layers = config.num_hidden_layers
-        num_kv_heads, head_dim, value_head_dim = kv_shape(config)
+        try:
+            num_kv_heads, head_dim, value_head_dim = kv_shape(config)
+        except Exception as exc:  # e.g. transformers' AmbiguousGlobalPerLayerAttributeError
+            raise ModelError(f"{name} cannot be served exactly: its key/value shape is not one per model "
+                             f"(per-layer head_dim or kv heads: {exc})") from exc
         block_bytes = PagedKVCache.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim,
                                                    self.dtype.itemsize, value_head_dim)
         if num_blocks is None:
@@ -248,8 +252,14 @@ class Engine(BaseEngine):
         try:
             for line in fix_rope_frequencies(model, max_model_len):
                 log.info("%s", line)
+            check_batch_independent(model, max_model_len)
         except ValueError as exc:
             raise ModelError(f"{name}: {exc}") from exc
+        ignored = _ignored_generation_defaults(model)
+        if ignored:
+            log.warning("%s: generation_config.json asks generate() for %s; the engine applies only each "
+                        "request's own sampling parameters, so its tokens differ from generate() with those "
+                        "defaults", name, ", ".join(ignored))
         use_paged_attention(model)
         forward_params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
@@ -409,7 +419,11 @@ class Engine(BaseEngine):
             ModelError: the logits differ (naming by how much), or a configured
                 sliding window never reaches the attention.
         """
-        length = max(1, min(2 * self.block_size + 3, self.max_model_len - CHECK_TOKENS - 1))
+        want = 2 * self.block_size + 3
+        window = configured_window(self._config, self.max_model_len)
+        if window is not None:  # past any window the config carries: its mask and its attention must agree
+            want = max(want, window + 2 * self.block_size + 3)
+        length = max(1, min(want, self.max_model_len - CHECK_TOKENS - 1))
         prompt = [(CHECK_FIRST_TOKEN + 7 * i) % self.vocab_size for i in range(length)]
         params = SamplingParams(max_tokens=CHECK_TOKENS, temperature=0.0, ignore_eos=True)
         seq = self._make_sequence(None, EngineRequest(handle=-1, prompt_token_ids=prompt, params=params))
@@ -715,6 +729,23 @@ class Engine(BaseEngine):
         outputs.append(TokenOutput(seq.handle, num_output - 1, token_id, text, finish_reason, stop_reason,
                                    seq.num_prompt_tokens, num_output))
         self._release(seq)
+
+
+GENERATION_DEFAULTS_IGNORED = {
+    "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0,
+    "suppress_tokens": None, "begin_suppress_tokens": None, "bad_words_ids": None, "min_length": 0,
+    "min_new_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None, "sequence_bias": None,
+}
+"""Logits processors a checkpoint's ``generation_config.json`` may switch on for ``generate()`` (with their
+neutral values); the engine does not apply them, and says so at start."""
+
+
+def _ignored_generation_defaults(model) -> list[str]:
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return []
+    return [f"{key}={getattr(config, key)!r}" for key, neutral in GENERATION_DEFAULTS_IGNORED.items()
+            if getattr(config, key, neutral) not in (neutral, None)]
 
 
 def _model_eos_token_ids(model, config) -> tuple[int, ...]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["LENGTH_DEPENDENT_ROPE", "fix_rope_frequencies"]
+__all__ = ["LENGTH_DEPENDENT_ROPE", "check_batch_independent", "fix_rope_frequencies"]
 
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
@@ -80,6 +80,40 @@ def fix_rope_frequencies(model: torch.nn.Module, max_model_len: int) -> list[str
                          f"({which} frequencies; original context {original})")
             _check_fixed(module, layer_type, max_model_len, inv_freq)
     return fixed
+
+
+def check_batch_independent(model: torch.nn.Module, max_model_len: int, probe: int = 8) -> None:
+    """Require every rotary embedding to give a position the same cos/sin whatever else is in the batch.
+
+    Runs each module that has an ``inv_freq`` buffer on positions ``[0, probe)``
+    alone and together with position ``max_model_len - 1``, and compares. This
+    catches rotary code that takes a scale from the batch's largest position
+    on its own (PhiMoE's LongRoPE ``short_mscale`` / ``long_mscale``), which
+    :func:`fix_rope_frequencies` cannot reach. A module that cannot be called
+    this way is left to the engine's start check.
+
+    Raises:
+        ValueError: a rotary embedding depends on the batch, naming the module.
+    """
+    for name, module in model.named_modules():
+        buffer = getattr(module, "inv_freq", None)
+        if not isinstance(buffer, torch.Tensor) or max_model_len <= probe:
+            continue
+        x = torch.zeros(1, device=buffer.device)
+        alone = torch.arange(probe, device=buffer.device).unsqueeze(0)
+        together = torch.cat([alone, torch.tensor([[max_model_len - 1]], device=buffer.device)], dim=1)
+        try:
+            with torch.inference_mode():
+                first, second = module(x, alone), module(x, together)
+        except Exception:  # another signature: the start check against the model's own forward covers it
+            continue
+        if not isinstance(first, tuple):
+            continue
+        for a, b in zip(first, second):
+            if not torch.equal(a[..., :probe, :], b[..., :probe, :]):
+                raise ValueError(f"{name or 'model'} ({type(module).__name__}) gives positions other values when a "
+                                 "longer sequence shares the batch (a RoPE scale taken from the batch's largest "
+                                 "position); it cannot be served exactly")
 
 
 def _original_context(config, layer_type: str | None, kind: str) -> int:

@@ -266,3 +266,36 @@ def test_loaded_models_outside_attention_interface_are_refused_by_name(config_cl
     model = load_model(resolve_model_dir(tmp_path))
     with pytest.raises(ModelError, match=NO_ATTENTION_INTERFACE):
         Engine(model, tokenizer, max_num_seqs=2, block_size=4, num_blocks=200, eos_token_ids=(1,))
+
+
+def test_generation_config_logits_processors_are_named_at_start(tokenizer, caplog):
+    """generate() applies generation_config.json's repetition_penalty even greedy; the engine says it does not."""
+    model = _model(T.LlamaConfig, {})
+    model.generation_config.repetition_penalty = 1.05
+    with caplog.at_level("WARNING", logger="ringstream.engine"):
+        Engine(model, tokenizer, max_num_seqs=2, block_size=4, num_blocks=200, eos_token_ids=(1,))
+    assert "repetition_penalty=1.05" in caplog.text
+
+
+@pytest.mark.parametrize("config_class, fields, feature", [
+    (T.PhimoeConfig, dict(LONGROPE, original_max_position_embeddings=32, max_position_embeddings=256,
+                          rope_parameters={**LONGROPE["rope_parameters"], "original_max_position_embeddings": 32,
+                                           "short_mscale": 1.0, "long_mscale": 3.0}, **MOE),
+     "longer sequence shares the batch"),
+    (T.MistralConfig, dict(sliding_window=1), "sliding_window=1"),
+    (T.OlmoeConfig, dict(sliding_window=20, num_experts=4, num_experts_per_tok=2), "differ from the model's own"),
+])
+def test_batch_or_window_dependent_models_are_refused(config_class, fields, feature, tokenizer):
+    """Rotary code that takes its scale from the batch, a degenerate window, and a window the model's mask ignores
+    (the start check's prompt runs past any window the config carries)."""
+    model = _model(config_class, fields)
+    with pytest.raises(ModelError, match=feature):
+        engine = Engine(model, tokenizer, max_num_seqs=2, block_size=4, num_blocks=200, eos_token_ids=(1,))
+        engine.warmup()
+
+
+def test_a_window_in_a_config_whose_layers_are_all_full_is_not_refused(tokenizer):
+    model = _model(T.Gemma3TextConfig, dict(sliding_window=WINDOW, query_pre_attn_scalar=8,
+                                            layer_types=["full_attention"] * 4))
+    engine = Engine(model, tokenizer, max_num_seqs=2, block_size=4, num_blocks=200, eos_token_ids=(1,))
+    engine.warmup()
