@@ -83,7 +83,7 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     key_blocks = key.view(kv_heads, -1, block_size * head_dim)
     value_blocks = value.view(kv_heads, -1, block_size * value_dim)
     q = query[0].transpose(0, 1)  # [N, heads, head_dim]
-    out = q.new_empty(num_tokens, heads, value_dim)
+    out = torch.empty_like(q) if value_dim == head_dim else q.new_empty(num_tokens, heads, value_dim)
     gqa = heads != kv_heads
     reduced = query.dtype != torch.float32
     for group in paged.decode_groups:
