@@ -3,7 +3,12 @@
 A name in ``/dev/shm`` may still hold the segment of a previous instance that
 died without unlinking it.  Such a segment is replaced only when its header
 proves it is ours and its owner is gone: a regular file of our uid, with the
-ring magic, whose owner pid names no live process.
+ring magic, whose owner pid names no live process; or one its creator died
+writing. A creator holds an exclusive ``flock`` on its new file from creation
+until the magic is written (:func:`ringstream.ipc.ring.segment.create_segment`),
+so a file without the magic that nobody holds locked was left by a creator
+that was killed before finishing its header (a SIGKILL between ``open`` and
+the magic), and is reclaimed too instead of blocking the name forever.
 """
 
 from __future__ import annotations
@@ -27,7 +32,10 @@ _RECLAIM_ATTEMPTS = 3
 
 
 def create_or_reclaim(path: str, mode: int, reclaim_stale: bool) -> int:
-    """Create the empty file ``path`` (mode ``mode``) and return its descriptor.
+    """Create the empty file ``path`` (mode ``mode``) and return its descriptor, holding its exclusive ``flock``.
+
+    The caller keeps the descriptor (and so the lock) until the segment's
+    magic is written, then closes it.
 
     If the name exists and ``reclaim_stale`` is true, a stale segment of a
     dead owner there is replaced (see :func:`_reclaim`).
@@ -38,18 +46,32 @@ def create_or_reclaim(path: str, mode: int, reclaim_stale: bool) -> int:
     """
     for _attempt in range(_RECLAIM_ATTEMPTS):
         try:
-            return _create_file(path, mode)
+            fd = _create_file(path, mode)
         except FileExistsError as exc:
             if not reclaim_stale:
                 raise RingExistsError(f"{path} already exists") from exc
-        fd = _reclaim(path, mode)
+            fd = _reclaim(path, mode)
         if fd is not None:
             return fd
     raise RingExistsError(f"{path} keeps changing under us; giving up")
 
 
-def _create_file(path: str, mode: int) -> int:
-    return os.open(path, _CREATE_FLAGS, mode)
+def _create_file(path: str, mode: int) -> int | None:
+    """The new file at ``path``, locked; None if a reclaimer took the name between the open and the lock.
+
+    Raises FileExistsError if the name exists.
+    """
+    fd = os.open(path, _CREATE_FLAGS, mode)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        mine = os.fstat(fd)
+        current = os.stat(path, follow_symlinks=False)
+        if (current.st_dev, current.st_ino) == (mine.st_dev, mine.st_ino):
+            return fd
+    except (BlockingIOError, FileNotFoundError):
+        pass
+    os.close(fd)
+    return None
 
 
 def _reclaim(path: str, mode: int) -> int | None:
@@ -77,18 +99,23 @@ def _reclaim(path: str, mode: int) -> int | None:
                 "not touching it"
             )
         header = os.pread(fd, HEADER_SIZE, 0)
-        if len(header) < HEADER_SIZE or header[:MAGIC_SIZE] != MAGIC:
+        if len(header) == HEADER_SIZE and header[:MAGIC_SIZE] == MAGIC:
+            owner_pid = HEADER_STRUCT.unpack_from(header)[HEADER_OWNER_PID_INDEX]
+            if _pid_is_alive(owner_pid):
+                raise RingExistsError(f"{path} is in use: its owner pid {owner_pid} is alive")
+        elif any(header):
             raise RingExistsError(
-                f"{path} exists and is not a ringstream ring segment (or another process "
-                "is creating it right now); if it is stale, remove it by hand"
+                f"{path} exists and is not a ringstream ring segment; if it is stale, remove it by hand"
             )
-        owner_pid = HEADER_STRUCT.unpack_from(header)[HEADER_OWNER_PID_INDEX]
-        if _pid_is_alive(owner_pid):
-            raise RingExistsError(f"{path} is in use: its owner pid {owner_pid} is alive")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as exc:
-            raise RingExistsError(f"{path} is being reclaimed by another process") from exc
+            raise RingExistsError(f"{path} is being reclaimed (or created) by another process") from exc
+        if not header[:MAGIC_SIZE] == MAGIC:
+            header = os.pread(fd, HEADER_SIZE, 0)  # under the lock: a creator that finished meanwhile wrote it
+            if any(header):
+                return None  # changed under us: the caller looks again
+        # A dead owner's segment, or an empty one nobody holds locked (its creator died before the header).
         try:
             current = os.stat(path, follow_symlinks=False)
         except FileNotFoundError:

@@ -107,7 +107,14 @@ def create_segment(
         os.close(fd)
         _unlink_quietly(path)
         raise
-    os.close(fd)
+    try:
+        _write_header(mm, capacity, instance_id)
+    finally:
+        os.close(fd)  # releases the creator's flock: the segment is complete (see ringstream.ipc.ring.owner)
+    return mm, (st.st_dev, st.st_ino)
+
+
+def _write_header(mm: mmap.mmap, capacity: int, instance_id: int) -> None:
     q, i = header_views(mm)
     try:
         q[Q_CAPACITY] = capacity
@@ -127,7 +134,6 @@ def create_segment(
     # The magic goes last (x86 keeps stores in order): a process that
     # sees it also sees a complete header.
     mm[:MAGIC_SIZE] = MAGIC
-    return mm, (st.st_dev, st.st_ino)
 
 
 def open_segment(path: str, flags: int, access: int) -> tuple[mmap.mmap, int]:

@@ -330,6 +330,29 @@ def test_stale_segment_being_reclaimed_elsewhere_is_not_touched(
         assert reclaimed.instance_id != owner.instance_id
 
 
+def test_empty_segment_of_a_creator_killed_before_its_header_is_reclaimed(
+    make_name: Callable[[], str],
+) -> None:
+    """A front SIGKILLed between creating its segment and writing the magic leaves an empty file, unlocked."""
+    path = segment_path(make_name())
+    Path(path).write_bytes(b"")
+    with RingConsumer.create(os.path.basename(path), SMALL_CAPACITY, instance_id=5) as reclaimed:
+        assert reclaimed.instance_id == 5
+
+
+def test_empty_segment_whose_creator_still_holds_it_is_not_touched(make_name: Callable[[], str]) -> None:
+    path = segment_path(make_name())
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as a creator does until its magic is written
+        with pytest.raises(RingExistsError, match="being reclaimed"):
+            RingConsumer.create(os.path.basename(path), SMALL_CAPACITY)
+        assert os.path.exists(path)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
 def test_foreign_file_is_not_touched(make_name: Callable[[], str]) -> None:
     path = segment_path(make_name())
     junk = b"not a ring at all" * 40
