@@ -156,16 +156,17 @@ def test_the_cli_fails_fast_on_a_stale_socket_and_a_bad_address(tmp_path, capsys
 
 def test_async_client_routing_and_lifetime_edges(tmp_path):
     """Errors naming ended streams, cancelled status calls, use after close, a daemon that stops answering."""
-    with running_daemon(tmp_path, "--engine", "synthetic", "--devices", "cpu") as d:
+    # 20 ms steps: the 500-token stream below outlasts the SIGSTOP by seconds even on a busy host
+    with running_daemon(tmp_path, "--engine", "synthetic", "--synthetic-step-ms", "20", "--devices", "cpu") as d:
         problems: list[dict] = []
 
         async def main():
             asyncio.get_running_loop().set_exception_handler(lambda loop, context: problems.append(context))
             async with AsyncClient(d.address) as client:
                 # the cancel of a stream whose last chunk was already on its way gets UNKNOWN_REQUEST: not status()'s
-                stream = client.generate(prompt_token_ids=[5, 6], max_tokens=50, ignore_eos=True)
+                stream = client.generate(prompt_token_ids=[5, 6], max_tokens=5, ignore_eos=True)
                 await stream.__anext__()
-                await asyncio.sleep(0.3)
+                await asyncio.sleep(0.5)
                 await stream.aclose()
                 assert (await client.status()).ready
                 assert [e.code for e in client.stray_errors] == [P.ErrorCode.UNKNOWN_REQUEST]
@@ -179,7 +180,7 @@ def test_async_client_routing_and_lifetime_edges(tmp_path):
 
             # a stopped daemon is noticed within timeout_s even while new requests keep starting
             async with AsyncClient(d.address, timeout_s=1.0, heartbeat_s=0.1) as client:
-                first = client.generate(prompt_token_ids=[5, 6], max_tokens=100_000 // 200, ignore_eos=True)
+                first = client.generate(prompt_token_ids=[5, 6], max_tokens=500, ignore_eos=True)
                 await first.__anext__()
                 d.proc.send_signal(signal.SIGSTOP)
                 starters: list[asyncio.Task] = []
