@@ -42,24 +42,26 @@ The model must be a transformers architecture that calls
 ``cache.update(key_states, value_states, layer_idx, ...)`` from its attention
 layers and looks its attention function up by ``config._attn_implementation``
 (Llama-family models in transformers 5.x do). Not thread-safe.
+
+Parts: :mod:`ringstream.daemon.engine_scheduler` chooses each step's
+sequences and their token counts and applies the step's results (steps 1 and
+2, the stop checks of 4); :mod:`ringstream.daemon.model_runner` builds the
+input tensors, runs the forward and samples (3, 4);
+:mod:`ringstream.daemon.engine_checks` holds what is refused at start. This
+module validates requests, owns the parts and runs a failed step's sequences
+alone.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
-import sys
-from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
 from ringstream.daemon.attention import use_paged_attention
-from ringstream.daemon.block_manager import DEFAULT_BLOCK_SIZE, BlockManager, block_hashes
+from ringstream.daemon.block_manager import DEFAULT_BLOCK_SIZE, BlockManager
 from ringstream.daemon.detokenizer import IncrementalDetokenizer
 from ringstream.daemon.engine_api import (
-    FINISH_LENGTH,
-    FINISH_STOP,
     GREEDY_TEMPERATURE_EPS,
     BaseEngine,
     CapacityError,
@@ -71,12 +73,14 @@ from ringstream.daemon.engine_api import (
     TokenOutput,
     check_request,
 )
-from ringstream.daemon.families import configured_window, kv_shape, sliding_window, unsupported_feature
+from ringstream.daemon.engine_checks import check_against_model, check_servable, ignored_generation_defaults
+from ringstream.daemon.engine_scheduler import SequenceState, StepScheduler
+from ringstream.daemon.families import kv_shape
 from ringstream.daemon.model import ModelError
 from ringstream.daemon.rope import check_batch_independent, fix_rope_frequencies
-from ringstream.daemon.kv_cache import PagedKVCache, build_metadata
+from ringstream.daemon.kv_cache import PagedKVCache
 from ringstream.daemon.memory import kv_cache_budget
-from ringstream.daemon.sampler import SamplingTensors, sample, token_seed
+from ringstream.daemon.model_runner import ModelRunner
 
 __all__ = [
     "BaseEngine",
@@ -94,47 +98,8 @@ log = logging.getLogger("ringstream.engine")
 
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-WATERMARK_FRACTION = 0.01
-"""Admission leaves this fraction of the blocks free for running decodes (vLLM v0's watermark)."""
 _WARMUP_PROMPT_LEN = 4
 _WARMUP_MAX_TOKENS = 2
-CHECK_TOKENS = 4
-"""Decode steps of the start-up check against the model's own forward (:meth:`Engine._check_against_model`)."""
-CHECK_FIRST_TOKEN = 3
-CHECK_TOLERANCE = {True: 1e-3, False: 1e-1}
-"""Largest logit difference allowed by that check, relative to the logits' scale: float32, then bf16/fp16
-(reduced-precision kernels of different batch shapes round apart by up to a few 1e-2)."""
-
-
-@dataclass(slots=True, eq=False)
-class _Sequence:
-    """Engine-side state of one unfinished request.
-
-    ``token_ids`` are the prompt and the output so far; the first
-    ``num_computed`` of them have KV in the pool. A running sequence in decode
-    has ``num_computed == len(token_ids) - 1`` (its last sampled token is fed
-    at the next step). ``handle`` is None for the internal warmup request.
-    """
-
-    seq_id: int
-    handle: int | None
-    request: EngineRequest
-    token_ids: list[int]
-    num_prompt_tokens: int
-    max_output_tokens: int
-    stop_token_ids: frozenset[int]
-    user_stop_token_ids: frozenset[int]
-    detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None
-    greedy: bool
-    temperature: float
-    top_k: int
-    top_p: float
-    priority: int
-    num_computed: int = 0
-    started: int = 0
-    running: bool = False
-    hashes: list[bytes] = field(default_factory=list)
 
 
 class Engine(BaseEngine):
@@ -194,14 +159,7 @@ class Engine(BaseEngine):
         max_positions = getattr(config, "max_position_embeddings", None)
         if max_model_len is None:
             max_model_len = max_positions
-        problem = unsupported_feature(config, max_model_len or sys.maxsize, max_num_batched_tokens)
-        if problem is None and not getattr(type(model), "_supports_attention_backend", False):
-            problem = ("it does not route its attention through transformers' AttentionInterface (its layers run "
-                       "their own attention and cache code)")
-        if problem is None and not isinstance(max_positions, int):
-            problem = "its config has no max_position_embeddings"
-        if problem is not None:
-            raise ModelError(f"{name} cannot be served exactly: {problem}")
+        check_servable(model, config, max_model_len, max_num_batched_tokens)
         if not 2 <= max_model_len <= max_positions:
             raise ValueError(f"max_model_len must be in [2, {max_positions}], got {max_model_len}")
         for setting, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
@@ -216,9 +174,7 @@ class Engine(BaseEngine):
         self._model = model
         self._tokenizer = tokenizer
         self.device = torch.device(device)
-        self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        self.max_num_batched_tokens = max_num_batched_tokens
         self.block_size = block_size
         self.vocab_size = config.vocab_size
         self.eos_token_ids = tuple(eos_token_ids) or _model_eos_token_ids(model, config)
@@ -255,37 +211,42 @@ class Engine(BaseEngine):
             check_batch_independent(model, max_model_len)
         except ValueError as exc:
             raise ModelError(f"{name}: {exc}") from exc
-        ignored = _ignored_generation_defaults(model)
+        ignored = ignored_generation_defaults(model)
         if ignored:
             log.warning("%s: generation_config.json asks generate() for %s; the engine applies only each "
                         "request's own sampling parameters, so its tokens differ from generate() with those "
                         "defaults", name, ", ".join(ignored))
         use_paged_attention(model)
-        forward_params = inspect.signature(model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
 
         with torch.inference_mode():
             self._cache = PagedKVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, self.dtype,
                                        self.device, value_head_dim)
         self._blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self._scheduler = StepScheduler(self._blocks, max_num_seqs, max_num_batched_tokens)
+        self._runner = ModelRunner(model, self._cache, self._blocks, vocab_size=self.vocab_size, device=self.device,
+                                   seed=seed)
         self.enable_prefix_caching = enable_prefix_caching
-        self._watermark = max(1, int(self._blocks.num_usable_blocks * WATERMARK_FRACTION))
-        self._generator = torch.Generator(device=self.device)
-        self._generator.manual_seed(seed)
 
-        self._waiting: deque[_Sequence] = deque()
-        self._running: list[_Sequence] = []
-        self._by_handle: dict[int, _Sequence] = {}
         self._next_seq_id = 0
-        self._next_start = 0
-        self._num_random = 0
-        self.num_preemptions = 0
         self._warmup_failure = ""
-        self._captured: list[torch.Tensor] | None = None
-        self._seen_windows: set = set()
         self._config = config
 
     # ------------------------------------------------------------ figures
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Most requests running at once, and most waiting + running."""
+        return self._scheduler.max_num_seqs
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """Most new tokens (decodes plus prompt chunks) in one step's forward."""
+        return self._scheduler.max_num_batched_tokens
+
+    @property
+    def num_preemptions(self) -> int:
+        """Recompute preemptions so far (a sequence's KV dropped because blocks ran out)."""
+        return self._scheduler.num_preemptions
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -320,14 +281,14 @@ class Engine(BaseEngine):
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self._scheduler.running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._scheduler.waiting)
 
     def has_unfinished(self) -> bool:
-        return bool(self._running or self._waiting)
+        return self._scheduler.has_unfinished()
 
     # ------------------------------------------------------------ interface
 
@@ -341,28 +302,19 @@ class Engine(BaseEngine):
                 ``output_token_ids`` that already finish the request.
             CapacityError: ``max_num_seqs`` requests are already waiting or running.
         """
-        if req.handle in self._by_handle:
+        scheduler = self._scheduler
+        if req.handle in scheduler.by_handle:
             raise ValueError(f"handle {req.handle} is already in use")
-        if len(self._waiting) + len(self._running) >= self.max_num_seqs:
-            raise CapacityError(f"engine is full: {self.max_num_seqs} unfinished requests")
-        seq = self._make_sequence(req.handle, req)
-        self._by_handle[req.handle] = seq
-        self._waiting.append(seq)
+        if len(scheduler.waiting) + len(scheduler.running) >= scheduler.max_num_seqs:
+            raise CapacityError(f"engine is full: {scheduler.max_num_seqs} unfinished requests")
+        scheduler.add(self._make_sequence(req.handle, req))
 
     def abort(self, handle: int) -> bool:
         """Drop request ``handle``, freeing its blocks at once; True if it was unfinished.
 
         No further output is produced for it.
         """
-        seq = self._by_handle.get(handle)
-        if seq is None:
-            return False
-        if seq.running:
-            self._release(seq)
-        else:
-            self._waiting.remove(seq)
-            del self._by_handle[handle]
-        return True
+        return self._scheduler.abort(handle)
 
     def step(self) -> list[TokenOutput | RequestError]:
         """Schedule within the token budget, run one forward, sample; see the module docstring.
@@ -373,7 +325,7 @@ class Engine(BaseEngine):
         """
         outputs: list[TokenOutput | RequestError] = []
         with torch.inference_mode():
-            scheduled = self._schedule()
+            scheduled = self._scheduler.schedule()
             if scheduled:
                 self._run(scheduled, outputs)
         return outputs
@@ -384,7 +336,8 @@ class Engine(BaseEngine):
         Raises:
             EngineError: the engine is not idle.
             ModelError: the warmup request failed, or the engine's logits differ
-                from the model's own forward (:meth:`_check_against_model`).
+                from the model's own forward
+                (:func:`ringstream.daemon.engine_checks.check_against_model`).
         """
         if self.has_unfinished():
             raise EngineError("warmup needs an idle engine")
@@ -393,79 +346,45 @@ class Engine(BaseEngine):
         )
         prompt = [0] * max(1, min(_WARMUP_PROMPT_LEN, self.max_model_len - _WARMUP_MAX_TOKENS))
         seq = self._make_sequence(None, EngineRequest(handle=-1, prompt_token_ids=prompt, params=params))
-        self._waiting.append(seq)
+        self._scheduler.add(seq)
         produced = 0
         while self.has_unfinished():
             produced += len(self.step())
         if produced != seq.max_output_tokens:
             raise ModelError(f"{type(self._model).__name__} failed its warmup request ({self._warmup_failure}); "
                               "its layers do not work with the engine's cache and attention")
-        self._check_against_model()
+        check_against_model(self._model, self._config, self._traced_run, block_size=self.block_size,
+                            max_model_len=self.max_model_len, vocab_size=self.vocab_size, device=self.device,
+                            dtype=self.dtype)
         self._blocks.reset_prefix_cache()
         self._blocks.prefix_queries = self._blocks.prefix_hits = 0
 
-    def _check_against_model(self) -> None:
-        """Refuse an architecture whose logits through the engine differ from its own forward.
+    def _traced_run(self, prompt: list[int], params: SamplingParams,
+                    max_num_batched_tokens: int) -> tuple[list[int], torch.Tensor, set]:
+        """Serve one internal request alone with a step budget of ``max_num_batched_tokens`` (idle engine).
 
-        A prompt of a few blocks is prefilled in chunks and decoded for
-        :data:`CHECK_TOKENS` tokens through the engine; the model's own eager
-        forward (no cache) over the same tokens must give the same logits at
-        every sampled position, within :data:`CHECK_TOLERANCE` of the logits'
-        scale. This catches layers that bypass the engine's cache or attention
-        (recurrent, stateful or custom attention code) before they serve wrong
-        tokens.
-
-        Raises:
-            ModelError: the logits differ (naming by how much), or a configured
-                sliding window never reaches the attention.
+        Returns its output token ids, the logits of every position it sampled
+        (float32, ``[sampled positions, vocab]``) and the sliding windows its
+        attention calls were given.
         """
-        want = 2 * self.block_size + 3
-        window = configured_window(self._config, self.max_model_len)
-        if window is not None:  # past any window the config carries: its mask and its attention must agree
-            want = max(want, window + 2 * self.block_size + 3)
-        length = max(1, min(want, self.max_model_len - CHECK_TOKENS - 1))
-        prompt = [(CHECK_FIRST_TOKEN + 7 * i) % self.vocab_size for i in range(length)]
-        params = SamplingParams(max_tokens=CHECK_TOKENS, temperature=0.0, ignore_eos=True)
         seq = self._make_sequence(None, EngineRequest(handle=-1, prompt_token_ids=prompt, params=params))
-        budget, self.max_num_batched_tokens = self.max_num_batched_tokens, max(1, length // 2)
-        self._captured = []
-        self._seen_windows = set()
+        scheduler, runner = self._scheduler, self._runner
+        budget, scheduler.max_num_batched_tokens = scheduler.max_num_batched_tokens, max_num_batched_tokens
+        runner.captured = []
+        runner.seen_windows = set()
         try:
-            self._waiting.append(seq)
+            scheduler.add(seq)
             while self.has_unfinished():
                 self.step()
-            got = torch.cat(self._captured).float()
+            got = torch.cat(runner.captured).float()
         finally:
-            self._captured = None
-            self.max_num_batched_tokens = budget
-        window = sliding_window(self._config, self.max_model_len)
-        if window is not None and window not in self._seen_windows:
-            raise ModelError(
-                f"{type(self._model).__name__}: its config has sliding_window={window} but no layer passes it to the "
-                "attention function (the window would be applied by a mask the engine does not build); serve it with "
-                f"max_model_len <= {window}"
-            )
-        tokens = prompt + seq.request.output_token_ids[:-1]
-        try:
-            self._model.set_attn_implementation("eager")
-            with torch.inference_mode():
-                out = self._model(input_ids=torch.tensor([tokens], device=self.device), use_cache=False)
-            want = out.logits[0, length - 1:].float()
-        finally:
-            use_paged_attention(self._model)
-        tolerance = CHECK_TOLERANCE[self.dtype == torch.float32]
-        diff = float((got - want).abs().max())
-        scale = max(1.0, float(want.abs().max()))
-        if got.shape != want.shape or not diff <= tolerance * scale:
-            raise ModelError(
-                f"{type(self._model).__name__}: logits through the engine differ from the model's own forward "
-                f"(max |difference| {diff:.3g} at logit scale {scale:.3g}); its layers do not use the engine's "
-                "cache and attention as it needs, so it cannot be served exactly"
-            )
+            runner.captured = None
+            scheduler.max_num_batched_tokens = budget
+        return seq.request.output_token_ids, got, runner.seen_windows
 
     # ------------------------------------------------------------ requests
 
-    def _make_sequence(self, handle: int | None, req: EngineRequest) -> _Sequence:
+    def _make_sequence(self, handle: int | None, req: EngineRequest) -> SequenceState:
         """Validate ``req`` and build its engine-side state."""
         params = req.params
         prompt = req.prompt_token_ids
@@ -477,7 +396,7 @@ class Engine(BaseEngine):
         greedy = params.temperature <= GREEDY_TEMPERATURE_EPS
         seeded = params.seed is not None and not greedy
         self._next_seq_id += 1
-        return _Sequence(
+        return SequenceState(
             seq_id=self._next_seq_id,
             handle=handle,
             request=req,
@@ -495,99 +414,13 @@ class Engine(BaseEngine):
             priority=req.priority,
         )
 
-    def _release(self, seq: _Sequence) -> None:
-        """Free a running sequence's blocks and forget the request."""
-        self._stop_running(seq)
-        if seq.handle is not None:
-            del self._by_handle[seq.handle]
-
-    def _stop_running(self, seq: _Sequence) -> None:
-        self._blocks.free(seq.seq_id)
-        self._running.remove(seq)
-        seq.running = False
-        self._num_random -= not seq.greedy
-
-    def _preempt(self, seq: _Sequence) -> None:
-        """Recompute preemption: drop ``seq``'s KV and put it first in the waiting queue."""
-        self._stop_running(seq)
-        seq.num_computed = 0
-        self._waiting.appendleft(seq)
-        self.num_preemptions += 1
-        log.debug("request %s preempted after %d tokens: KV cache full", seq.handle, len(seq.token_ids))
-
-    # ------------------------------------------------------------ scheduling
-
-    def _schedule(self) -> dict[_Sequence, int]:
-        """Choose this step's sequences and their new-token counts (decodes, running chunks, then admissions)."""
-        scheduled: dict[_Sequence, int] = {}
-        budget = self.max_num_batched_tokens
-        for decode in (True, False):
-            for seq in list(self._running):
-                if budget == 0:
-                    return scheduled
-                remaining = len(seq.token_ids) - seq.num_computed
-                if not seq.running or (remaining == 1) != decode:
-                    continue
-                num_new = min(remaining, budget)
-                refund = self._reserve(seq, seq.num_computed + num_new, scheduled)
-                budget += refund
-                if seq.running:
-                    scheduled[seq] = num_new
-                    budget -= num_new
-        blocks = self._blocks
-        while self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
-            seq = self._waiting[0]
-            num_tokens = len(seq.token_ids)
-            hashes = self._block_hashes(seq)
-            reserve = self._watermark if self._running else 0
-            if not blocks.can_allocate(num_tokens + reserve * self.block_size, hashes, num_tokens - 1):
-                break
-            seq.num_computed = blocks.allocate(seq.seq_id, num_tokens, hashes, num_tokens - 1)
-            self._waiting.popleft()
-            seq.running = True
-            seq.started = self._next_start
-            self._next_start += 1
-            self._running.append(seq)
-            self._num_random += not seq.greedy
-            num_new = min(num_tokens - seq.num_computed, budget)
-            scheduled[seq] = num_new
-            budget -= num_new
-        return scheduled
-
-    def _reserve(self, seq: _Sequence, num_tokens: int, scheduled: dict[_Sequence, int]) -> int:
-        """Make ``seq`` hold ``num_tokens`` positions, preempting others while blocks run out.
-
-        Victims: the least urgent (highest ``priority``), most recently started
-        running sequence, possibly ``seq`` itself. Returns the budget freed by
-        victims that were already scheduled this step.
-        """
-        refund = 0
-        while not self._blocks.append_slots(seq.seq_id, num_tokens):
-            victim = max(self._running, key=lambda s: (s.priority, s.started))
-            self._preempt(victim)
-            refund += scheduled.pop(victim, 0)
-            if victim is seq:
-                break
-        return refund
-
-    def _block_hashes(self, seq: _Sequence) -> list[bytes]:
-        """Prefix keys of ``seq``'s full blocks (extended as a resumed sequence grows)."""
-        if not self.enable_prefix_caching:
-            return []
-        full = len(seq.token_ids) // self.block_size
-        if len(seq.hashes) < full:
-            parent = seq.hashes[-1] if seq.hashes else None
-            seq.hashes += block_hashes(seq.token_ids[:full * self.block_size], self.block_size, len(seq.hashes),
-                                       parent)
-        return seq.hashes
-
     # ------------------------------------------------------------ execution
 
-    def _run(self, scheduled: dict[_Sequence, int], outputs: list) -> None:
+    def _run(self, scheduled: dict[SequenceState, int], outputs: list) -> None:
         """Execute the step; on failure run each sequence alone and end those that still fail."""
         items = list(scheduled.items())
         try:
-            tokens = self._execute(items)
+            tokens = self._runner.execute(items)
         except Exception as exc:
             if len(items) == 1:
                 self._fail(items[0][0], exc, outputs)
@@ -596,157 +429,23 @@ class Engine(BaseEngine):
                         type(exc).__name__, exc)
             for item in items:
                 try:
-                    token = self._execute([item])
+                    token = self._runner.execute([item])
                 except Exception as alone_exc:
                     self._fail(item[0], alone_exc, outputs)
                     continue
-                self._advance([item], token, outputs)
+                self._scheduler.advance([item], token, outputs)
             return
-        self._advance(items, tokens, outputs)
+        self._scheduler.advance(items, tokens, outputs)
 
-    def _execute(self, items: list[tuple[_Sequence, int]]) -> list[int]:
-        """One forward over the packed new tokens of ``items``; the sampled token of each completing sequence."""
-        decodes, prefills, input_ids, positions, rows, sampled = [], [], [], [], [], []
-        for seq, num_new in items:
-            if num_new == 1:
-                pos = seq.num_computed
-                decodes.append((self._blocks.block_table(seq.seq_id), pos))
-                input_ids.append(seq.token_ids[pos])
-                positions.append(pos)
-                if pos + 1 == len(seq.token_ids):
-                    rows.append(len(decodes) - 1)
-                    sampled.append(seq)
-        row = len(decodes)
-        for seq, num_new in items:
-            if num_new > 1:
-                start = seq.num_computed
-                prefills.append((self._blocks.block_table(seq.seq_id), start, num_new))
-                input_ids += seq.token_ids[start:start + num_new]
-                positions += range(start, start + num_new)
-                row += num_new
-                if start + num_new == len(seq.token_ids):
-                    rows.append(row - 1)
-                    sampled.append(seq)
-        device = self.device
-        meta = build_metadata(decodes, prefills, self.block_size, device)
-        meta.scratch = self._cache.scratch(meta.max_gather_blocks)
-        if self._captured is not None:
-            meta.seen_windows = self._seen_windows
-        self._cache.slot_mapping = meta.slot_mapping
-        out = self._model(
-            input_ids=torch.tensor([input_ids], dtype=torch.long, device=device),
-            position_ids=torch.tensor([positions], dtype=torch.long, device=device),
-            use_cache=True,
-            logits_to_keep=torch.tensor(rows, dtype=torch.long, device=device),
-            paged=meta,
-            **{self._cache_kwarg: self._cache},
-        )
-        if not sampled:
-            return []
-        logits = out.logits[0]
-        if self._captured is not None:
-            self._captured.append(logits.detach().clone())
-        if any(not seq.greedy for seq in sampled):
-            tokens = sample(logits, self._sampling_tensors(sampled))
-        else:
-            tokens = logits.argmax(dim=-1)
-        # Keep order with ``items``: map each sampled sequence to its token.
-        by_seq = dict(zip(sampled, tokens.tolist()))
-        return [by_seq.get(seq) for seq, _ in items]
-
-    def _advance(self, items: list[tuple[_Sequence, int]], tokens: list, outputs: list) -> None:
-        """Account the computed tokens, register full blocks in the prefix cache, emit sampled tokens."""
-        caching = self.enable_prefix_caching
-        for (seq, num_new), token in zip(items, tokens or [None] * len(items)):
-            seq.num_computed += num_new
-            if caching:
-                self._blocks.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed)
-            if token is not None:
-                self._append_token(seq, token, outputs)
-
-    def _fail(self, seq: _Sequence, exc: Exception, outputs: list) -> None:
+    def _fail(self, seq: SequenceState, exc: Exception, outputs: list) -> None:
         log.error("request %s failed in a step: %s: %s", seq.handle, type(exc).__name__, exc, exc_info=exc)
         handle = seq.handle
-        self._release(seq)
+        self._scheduler.release(seq)
         message = f"engine step failed: {type(exc).__name__}: {exc}"
         if handle is None:
             self._warmup_failure = message
         else:
             outputs.append(RequestError(handle, message))
-
-    def _sampling_tensors(self, batch: list[_Sequence]) -> SamplingTensors:
-        device = self.device
-        top_k = [seq.top_k for seq in batch]
-        top_p = [seq.top_p for seq in batch]
-        return SamplingTensors(
-            temperature=torch.tensor([seq.temperature for seq in batch], dtype=torch.float32, device=device),
-            greedy=torch.tensor([seq.greedy for seq in batch], dtype=torch.bool, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.long, device=device),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
-            all_greedy=False,
-            any_greedy=any(seq.greedy for seq in batch),
-            use_top_k=any(k < self.vocab_size for k in top_k),
-            use_top_p=any(p < 1.0 for p in top_p),
-            seeded_rows=[(i, self._seed_generator(seq)) for i, seq in enumerate(batch) if seq.generator is not None],
-            generator=self._generator,
-        )
-
-    @staticmethod
-    def _seed_generator(seq: _Sequence) -> torch.Generator:
-        """Seed ``seq``'s generator for its next output token and return it."""
-        seq.generator.manual_seed(token_seed(seq.request.params.seed, len(seq.request.output_token_ids)))
-        return seq.generator
-
-    def _append_token(self, seq: _Sequence, token_id: int, outputs: list) -> None:
-        """Record a sampled token, apply the stop conditions, emit its ``TokenOutput``.
-
-        Order of checks (vLLM's): EOS / stop token, then stop string, then
-        length (``max_tokens`` or the context limit).
-        """
-        output_ids = seq.request.output_token_ids
-        output_ids.append(token_id)
-        seq.token_ids.append(token_id)
-        num_output = len(output_ids)
-        detokenizer = seq.detokenizer
-        finish_reason = None
-        stop_reason = None
-        if token_id in seq.stop_token_ids:
-            finish_reason = FINISH_STOP
-            if token_id in seq.user_stop_token_ids:
-                stop_reason = token_id
-            text = detokenizer.flush()
-        else:
-            text = detokenizer.add_token(token_id)
-            if detokenizer.stop_string is not None:
-                finish_reason = FINISH_STOP
-                stop_reason = detokenizer.stop_string
-            elif num_output >= seq.max_output_tokens:
-                finish_reason = FINISH_LENGTH
-                text += detokenizer.flush()
-        if finish_reason is None:
-            outputs.append(TokenOutput(seq.handle, num_output - 1, token_id, text))
-            return
-        outputs.append(TokenOutput(seq.handle, num_output - 1, token_id, text, finish_reason, stop_reason,
-                                   seq.num_prompt_tokens, num_output))
-        self._release(seq)
-
-
-GENERATION_DEFAULTS_IGNORED = {
-    "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0,
-    "suppress_tokens": None, "begin_suppress_tokens": None, "bad_words_ids": None, "min_length": 0,
-    "min_new_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None, "sequence_bias": None,
-}
-"""Logits processors a checkpoint's ``generation_config.json`` may switch on for ``generate()`` (with their
-neutral values); the engine does not apply them, and says so at start."""
-
-
-def _ignored_generation_defaults(model) -> list[str]:
-    config = getattr(model, "generation_config", None)
-    if config is None:
-        return []
-    return [f"{key}={getattr(config, key)!r}" for key, neutral in GENERATION_DEFAULTS_IGNORED.items()
-            if getattr(config, key, neutral) not in (neutral, None)]
-
 
 def _model_eos_token_ids(model, config) -> tuple[int, ...]:
     """EOS ids from the model's generation config, else its config; () if neither has one."""

@@ -239,7 +239,7 @@ class FailingForward:
 
 def block_table(engine: Engine, handle: int) -> list[int]:
     """The block ids a running request holds (engine internals)."""
-    return engine._blocks.block_table(engine._by_handle[handle].seq_id)
+    return engine._blocks.block_table(engine._scheduler.by_handle[handle].seq_id)
 
 
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:
@@ -296,7 +296,8 @@ def test_mid_stream_request_starts_early_and_reuses_blocks(tiny):
     engine = tiny.engine(max_num_seqs=3, enable_prefix_caching=False, num_blocks=41, max_model_len=128)
 
     def check_accounting():
-        held = sum(len(block_table(engine, h)) for h in engine._by_handle if engine._by_handle[h].running)
+        running = [h for h, seq in engine._scheduler.by_handle.items() if seq.running]
+        held = sum(len(block_table(engine, h)) for h in running)
         assert engine.num_free_blocks == engine.num_blocks - held
 
     long_a, long_b = (
