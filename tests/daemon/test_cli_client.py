@@ -20,7 +20,7 @@ from ringstream.daemon import cli
 from ringstream.ipc import address
 from ringstream.ipc.client import GENERATE_DEFAULTS, AsyncClient, Client, InvalidRequest
 from tests.daemon_helpers import running_daemon
-from tests.ipc.other_uid import as_other_user
+from tests.other_uid import as_other_user
 
 SYNTHETIC = ("--engine", "synthetic", "--synthetic-step-ms", "1", "--devices", "cpu")
 README = Path(__file__).resolve().parents[2] / "README.md"

@@ -12,7 +12,7 @@ import pytest
 
 from ringstream.ipc import address
 from ringstream.ipc.address import client_socket, default_socket, unix_socket_listening, unreachable
-from tests.ipc.other_uid import as_other_user
+from tests.other_uid import as_other_user
 
 
 @pytest.fixture

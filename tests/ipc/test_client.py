@@ -25,7 +25,7 @@ from ringstream.ipc.client import (
     GENERATE_DEFAULTS, PROBE_AFTER_S, AsyncClient, Client, DaemonUnavailable, InvalidRequest, Liveness,
     RingstreamError,
 )
-from tests.ipc.other_uid import as_other_user
+from tests.other_uid import as_other_user
 
 FAST_FAIL_S = 1.0
 """A client must give up on a missing or stale ipc socket within this (the brief: 1 s)."""

@@ -1,7 +1,7 @@
 """Isolation: file modes of the socket and rings, other uids, loopback-only TCP, CURVE, read-only inspection.
 
-Checks that need another uid fork a child that drops to ``nobody`` (no exec:
-the interpreter may live where ``nobody`` cannot read), so they need root.
+Checks that need another uid fork a child that drops to ``nobody``
+(:func:`tests.other_uid.run_as`), so they need root.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import shutil
 import signal
 import socket
 import stat
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,12 +25,10 @@ from ringstream.daemon import cli
 from ringstream.daemon.config import load_config
 from ringstream.ipc.client import Client, DaemonUnavailable, InvalidRequest
 from tests.daemon_helpers import running_daemon
+from tests.other_uid import NOBODY, run_as
 from tests.reliability.helpers import write_config
 from ringstream.tools import ringtop
 
-NOBODY = 65534
-CHILD_ALARM_S = 30
-"""A forked child that has not finished by then is ended by SIGALRM."""
 START_S = 60.0
 SYNTHETIC = ("--engine", "synthetic", "--devices", "cpu")
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a child as another uid")
@@ -44,36 +41,6 @@ def open_dir():
     path.chmod(0o755)
     yield path
     shutil.rmtree(path)
-
-
-def run_as(uid: int, gid: int, action) -> tuple[int, str]:
-    """Fork; in the child drop to ``uid``/``gid`` (no supplementary groups) and exit with ``action()``.
-
-    Returns ``(exit code, what the child printed)``. An exception in the
-    child is printed and gives exit code 70.
-    """
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: only system calls and os._exit from here
-        code = 70
-        try:
-            os.close(read_fd)
-            signal.alarm(CHILD_ALARM_S)
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
-            sys.stdout = os.fdopen(write_fd, "w", closefd=False)
-            code = action()
-            sys.stdout.flush()
-        except BaseException as exc:  # the child must never return into pytest
-            os.write(write_fd, f"{type(exc).__name__}: {exc}".encode())
-        finally:
-            os._exit(code)
-    os.close(write_fd)
-    with os.fdopen(read_fd) as pipe:
-        output = pipe.read()
-    _, wait_status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(wait_status), output
 
 
 def _connect(path: str):
