@@ -447,6 +447,7 @@ class Engine(BaseEngine):
         else:
             outputs.append(RequestError(handle, message))
 
+
 def _model_eos_token_ids(model, config) -> tuple[int, ...]:
     """EOS ids from the model's generation config, else its config; () if neither has one."""
     generation_config = getattr(model, "generation_config", None)
