@@ -207,3 +207,20 @@ class Metrics:
                 labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
                 out[f"{sample.name}{{{labels}}}" if labels else sample.name] = float(sample.value)
         return out
+
+
+def record_worker_load(metrics: Metrics, last, beat) -> None:
+    """Add a worker's engine counters (preemptions for KV, prefix-cache queries and hits) as deltas.
+
+    ``last`` and ``beat`` are its previous and new ``WorkerHeartbeat``; the
+    engine's counters restart at 0 with a restarted worker, so a value below
+    the last one counts from zero.
+    """
+    label = str(beat.worker)
+    for name, counter in (("preemptions", metrics.preemptions.labels(label, "kv_cache")),
+                          ("prefix_cache_queries", metrics.prefix_cache_queries.labels(label)),
+                          ("prefix_cache_hits", metrics.prefix_cache_hits.labels(label))):
+        value, previous = getattr(beat, name), getattr(last, name)
+        delta = value - previous if value >= previous else value
+        if delta:
+            counter.inc(delta)

@@ -14,7 +14,6 @@ wait to be delivered to a client that is not reading.
 
 from __future__ import annotations
 
-import asyncio
 import enum
 from dataclasses import dataclass, field
 
@@ -108,8 +107,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     pending_text: list[str] = field(default_factory=list)
     pending_ids: list[int] = field(default_factory=list)
-    timers: list[asyncio.TimerHandle] = field(default_factory=list)
-    queue_timer: asyncio.TimerHandle | None = None
+    timers: list = field(default_factory=list)
+    """Its deadline timers (``Ports.call_later`` handles), cancelled when it ends."""
+    queue_timer: object | None = None
     started: float = 0.0
     sched_token: int = 0
     kv_charge: int = 0
@@ -136,3 +136,11 @@ class Request:
     @property
     def max_tokens(self) -> int:
         return self.msg.max_tokens
+
+    def usage(self, now: float) -> P.Usage:
+        """Its ``Usage`` at ``now``: queue time counts every wait, also after a preemption."""
+        return P.Usage(
+            prompt_tokens=self.num_prompt_tokens, completion_tokens=len(self.output_token_ids),
+            queue_time_s=self.queue_time + (now - self.queued_at if self.queued_at else 0.0),
+            ttft_s=(self.first_token - self.arrival) if self.first_token else 0.0, e2e_s=now - self.arrival,
+        )

@@ -130,6 +130,15 @@ class WorkerBudget:
         while len(index) > PREFIX_INDEX_BLOCKS:
             index.popitem(last=False)
 
+    def became_ready(self, max_num_seqs: int, max_model_len: int, kv_cache_tokens: int, kv_cache_bytes: int,
+                     block_size: int, prefix_caching: bool) -> None:
+        """The worker (re)started with these capacities (its ``WorkerReady``); nothing is placed there yet."""
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        self.kv_cache_tokens, self.kv_cache_bytes = kv_cache_tokens, kv_cache_bytes
+        self.block_size, self.prefix_caching = block_size, prefix_caching
+        self.prefix_index.clear()
+        self.ready = True
+
     def fits(self, tokens: int, max_concurrency: int, release_tokens: int = 0, release_slots: int = 0) -> bool:
         """True if one more request of ``tokens`` KV tokens fits (after releasing the given use)."""
         return (
@@ -274,6 +283,13 @@ class Scheduler:
         """Change the aging rate (levels per second); re-keys the queue."""
         self.policy.aging_rate = rate
         self._rebuild()
+
+    def set_policy(self, policy: SchedulerPolicy) -> None:
+        """Apply new live settings; a new aging rate re-keys the queue."""
+        rate, policy.aging_rate = policy.aging_rate, self.policy.aging_rate
+        self.policy = policy
+        if rate != policy.aging_rate:
+            self.set_aging_rate(rate)
 
     # ------------------------------------------------------------ admission
 

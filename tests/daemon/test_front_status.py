@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ringstream.daemon.front import decode_rate, request_info
+from ringstream.daemon.status import decode_rate, request_info
 from ringstream.daemon.request import Request, RequestStatus
 from ringstream.ipc import protocol as P
 

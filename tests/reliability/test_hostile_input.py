@@ -133,7 +133,7 @@ def _until_terminal(sock: zmq.Socket, rid: str, timeout_s: float = 60.0) -> list
 
 def test_a_long_prompt_is_tokenised_off_the_loop_with_the_same_result(daemon):
     """Above INLINE_TOKENIZE_CHARS the front tokenises on a thread: same tokens, and Cancel still finds the id."""
-    from ringstream.daemon.front import INLINE_TOKENIZE_CHARS
+    from ringstream.daemon.intake import INLINE_TOKENIZE_CHARS
     from ringstream.daemon.model import load_tokenizer, resolve_model_dir
 
     prompt = "Return the table\n" + "-" * (INLINE_TOKENIZE_CHARS + 1000)  # 32 characters a token: fits the context
@@ -159,7 +159,7 @@ def test_a_long_prompt_is_tokenised_off_the_loop_with_the_same_result(daemon):
 
 def test_a_heartbeat_naming_every_possible_id_is_answered_briefly(daemon):
     """Open ids a daemon does not know get UNKNOWN_REQUEST, a bounded number per heartbeat (no amplification)."""
-    from ringstream.daemon.front import MAX_UNKNOWN_ANSWERS
+    from ringstream.daemon.intake import MAX_UNKNOWN_ANSWERS
 
     frame = P.encode(P.Heartbeat(open_ids=[f"{i:x}" for i in range(P.MAX_OPEN_IDS)]))
     ctx = zmq.Context()

@@ -13,7 +13,7 @@ import uuid
 import psutil
 import pytest
 
-from ringstream.daemon.supervisor import open_files_needed
+from ringstream.daemon.worker_pool import open_files_needed
 from ringstream.ipc.client import Client
 from ringstream.tools.daemon_process import serve_command
 from tests.daemon_helpers import running_daemon, wait_exit

@@ -11,8 +11,8 @@ import msgspec
 import pytest
 
 from ringstream.daemon.config import Config, load_config
-from ringstream.daemon.front import ABORT_GRACE_S
-from ringstream.daemon.supervisor import JOIN_GRACE_S
+from ringstream.daemon.core import ABORT_GRACE_S
+from ringstream.daemon.worker_pool import JOIN_GRACE_S
 
 SYSTEMD_DIR = Path(__file__).resolve().parents[2] / "systemd"
 UNIT = SYSTEMD_DIR / "ringstream.service"

@@ -1,15 +1,19 @@
-"""Worker processes and the resources the front owns for them.
+"""The worker processes and the resources the front owns for them; their start, restart and stop.
 
 The front owns, and is the only one to release: each worker's ring (created
 here, unlinked at stop), each worker's command socket, and the instance lock
 that keeps two daemons of one instance from stealing each other's socket.
 Workers are started with the ``spawn`` method (CUDA and ZeroMQ are not
-fork-safe) and stopped with a deadline: ``Shutdown`` message, join, SIGTERM,
-join, SIGKILL.
+fork-safe), watched through their process sentinels and heartbeats,
+restarted with backoff after an unexpected exit, and stopped with a
+deadline: ``Shutdown`` message, join, SIGTERM, join, SIGKILL.
+:class:`WorkerPool` does all of that on the front's event loop; what a
+worker's exit means for its requests is the core's business.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import logging
@@ -17,18 +21,20 @@ import multiprocessing
 import os
 import resource
 import secrets
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterator
 
 import zmq
 
 from ringstream.daemon.config import Config
 from ringstream.daemon.worker import WorkerSpec, worker_main
 from ringstream.ipc import protocol as P
-from ringstream.ipc.ring import RingConsumer
+from ringstream.ipc.ring import Record, RingConsumer
 
-log = logging.getLogger("ringstream.supervisor")
+log = logging.getLogger("ringstream.workers")
 
 JOIN_GRACE_S = 5.0
 """How long a worker gets to exit after ``Shutdown``, and again after SIGTERM."""
@@ -38,6 +44,12 @@ I/O threads, epoll, the lock, the log, the metrics exporter), with room to spare
 FILES_PER_WORKER = 8
 """Open files the front holds per worker: command socket and its connection, event connection,
 ring, process sentinel and pipes."""
+EXIT_REAP_S = 1.0
+"""Longest wait to reap a worker whose sentinel reported its exit."""
+RESTART_BACKOFF_S = 0.5
+RESTART_BACKOFF_MAX_S = 30.0
+RESTART_WINDOW_S = 300.0
+"""Worker restarts wait RESTART_BACKOFF_S doubled per failure in the last RESTART_WINDOW_S, at most the max."""
 
 
 class StartupError(Exception):
@@ -122,6 +134,29 @@ class WorkerProcess:
             log.debug("worker %d not connected; %s dropped", self.index, type(command).__name__)
             return False
         return True
+
+    def ring_fill(self) -> float:
+        """Unread bytes of its ring / the ring's capacity."""
+        return self.ring.fill()
+
+    def read_ring(self) -> Iterator[list[Record]]:
+        """Every record its worker published, in batches; between two batches the read space is freed.
+
+        The consumer of a batch must be done with it before asking for the
+        next (record payloads are views of the ring). The doorbell is disarmed
+        while reading and re-armed at the end, with a last read after arming
+        so that no record published meanwhile waits for a doorbell that
+        never rings.
+        """
+        ring = self.ring
+        ring.disarm()
+        while True:
+            records = ring.read()
+            yield records
+            if ring.commit():
+                self.send(P.RingSpace())
+            if not records and ring.arm():
+                return
 
 
 def ring_name(instance: str, index: int) -> str:
@@ -233,3 +268,105 @@ def release_workers(workers: list[WorkerProcess]) -> None:
             os.unlink(worker.spec.command_address[len("ipc://"):])
         worker.ring.close()
         worker.ring.unlink()
+
+
+class WorkerPool:
+    """Every worker of the daemon: created, spawned, watched, restarted and stopped on the running loop.
+
+    ``on_exit(worker)`` is called (on the loop) when a worker process ends,
+    after it is reaped; the pool restarts it only when told to
+    (:meth:`restart_later`).
+    """
+
+    def __init__(self, workers: list[WorkerProcess], on_exit: Callable[[WorkerProcess], None],
+                 on_restart: Callable[[], None] | None = None) -> None:
+        self.workers = workers
+        self.on_exit = on_exit
+        self.on_restart = on_restart or (lambda: None)
+        """Counted once per restart scheduled (the front's ``worker_restarts`` metric)."""
+        self._watched: set[int] = set()
+
+    def __iter__(self) -> Iterator[WorkerProcess]:
+        return iter(self.workers)
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def __getitem__(self, index: int) -> WorkerProcess:
+        return self.workers[index]
+
+    def start(self) -> None:
+        """Arm every ring's doorbell and spawn every worker."""
+        for worker in self.workers:
+            worker.ring.arm()
+            self._spawn(worker)
+
+    def _spawn(self, worker: WorkerProcess) -> None:
+        spawn(worker)
+        asyncio.get_running_loop().add_reader(worker.process.sentinel, self._exited, worker)
+        self._watched.add(worker.index)
+
+    def _unwatch(self, worker: WorkerProcess) -> None:
+        if worker.index in self._watched and worker.process is not None:
+            asyncio.get_running_loop().remove_reader(worker.process.sentinel)
+        self._watched.discard(worker.index)
+
+    def _exited(self, worker: WorkerProcess) -> None:
+        self._unwatch(worker)
+        worker.alive = False
+        worker.process.join(EXIT_REAP_S)  # the sentinel fired: reaping is immediate, and sets exitcode
+        code = worker.process.exitcode
+        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        log.error("worker %d (pid %d) exited: %s", worker.index, worker.pid, how)
+        self.on_exit(worker)
+
+    def restart_later(self, worker: WorkerProcess, still_wanted: Callable[[], bool]) -> float:
+        """Restart ``worker`` after ``RESTART_BACKOFF_S * 2**(recent failures)`` seconds, capped, if
+        ``still_wanted()`` then. Returns the delay, seconds."""
+        now = time.monotonic()
+        worker.failures = [t for t in worker.failures if now - t < RESTART_WINDOW_S] + [now]
+        delay = min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** (len(worker.failures) - 1))
+        self.on_restart()
+        log.warning("restarting worker %d in %.1f s (%d failure(s) in %.0f s)",
+                    worker.index, delay, len(worker.failures), RESTART_WINDOW_S)
+        asyncio.get_running_loop().call_later(delay, self._restart, worker, still_wanted)
+        return delay
+
+    def _restart(self, worker: WorkerProcess, still_wanted: Callable[[], bool]) -> None:
+        if not still_wanted() or worker.alive:
+            return
+        worker.process.close()
+        self._spawn(worker)  # same ring and command socket; the new producer continues at write_pos
+        worker.ring.arm()
+
+    def kill_unresponsive(self, now: float, ready: list[bool], serving: bool,
+                          stall_timeout_s: float, start_timeout_s: float) -> list[int]:
+        """Kill live workers silent too long: ready ones past ``stall_timeout_s`` without a heartbeat, and
+        (while ``serving``) restarted ones not ready after ``start_timeout_s``. Their sentinels then run
+        the usual exit path. Returns the indexes killed."""
+        killed = []
+        for worker, is_ready in zip(self.workers, ready):
+            silent_s = now - worker.last_heartbeat  # since its spawn, for a worker still starting
+            if not worker.alive:
+                continue
+            if is_ready and silent_s > stall_timeout_s:
+                log.error("worker %d sent no heartbeat for %.0f s; killing it", worker.index, silent_s)
+            elif not is_ready and serving and silent_s > start_timeout_s:
+                log.error("restarted worker %d not ready after %.0f s; killing it", worker.index, silent_s)
+            else:
+                continue
+            worker.process.kill()
+            killed.append(worker.index)
+        return killed
+
+    async def stop(self) -> None:
+        """Tell every live worker to shut down, join each with deadlines, release rings and sockets."""
+        for worker in self.workers:
+            self._unwatch(worker)
+        try:
+            for worker in self.workers:
+                if worker.process is not None and worker.process.is_alive():
+                    worker.send(P.Shutdown())  # not connected: the deadline join handles it
+            await asyncio.gather(*(asyncio.to_thread(stop_process, w) for w in self.workers))
+        finally:
+            release_workers(self.workers)
