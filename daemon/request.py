@@ -135,4 +135,4 @@ class Request:
 
     @property
     def max_tokens(self) -> int:
-        return self.msg.max_tokens
+        return self.msg.sampling.max_tokens
