@@ -159,12 +159,9 @@ class FrontCore:
             self.metrics.queue_time.observe(now - req.arrival)
             if req.queue_timer is not None:
                 req.queue_timer.cancel()
-        msg = req.msg
         self.ports.send_worker(index, P.Assign(
-            handle=req.handle, prompt_token_ids=req.prompt_token_ids, max_tokens=msg.max_tokens,
-            temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, seed=msg.seed, stop=msg.stop,
-            stop_token_ids=msg.stop_token_ids, ignore_eos=msg.ignore_eos, output_token_ids=req.output_token_ids,
-            priority=req.priority,
+            handle=req.handle, prompt_token_ids=req.prompt_token_ids, sampling=req.msg.sampling,
+            output_token_ids=req.output_token_ids, priority=req.priority,
         ))
 
     def _requeue(self, req: Request) -> None:

@@ -10,8 +10,9 @@ time, into text deltas that are safe to send to a client as they are produced:
   prefix / read-offset algorithm of vLLM's ``detokenize_incrementally`` and
   Hugging Face TGI's ``decode_token`` (the same algorithm DecodeStream
   implements).
-* Stop strings: any suffix of the text that could be the start of a stop
-  string is held back. When a stop string appears, possibly spread over
+* Stop strings (:class:`ringstream.daemon.stops.StopScanner`, the synthetic
+  engine's scanner too): any suffix of the text that could be the start of a
+  stop string is held back. When a stop string appears, possibly spread over
   several tokens, only the text before it is emitted and nothing after it ever
   leaks.
 * Final flush rule: when a request finishes for any reason other than a stop
@@ -27,6 +28,8 @@ time, into text deltas that are safe to send to a client as they are produced:
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from ringstream.daemon.stops import StopScanner
 
 __all__ = ["IncrementalDetokenizer", "OffsetDecodeStream", "REPLACEMENT_CHARACTER"]
 
@@ -99,28 +102,21 @@ class IncrementalDetokenizer:
     and further calls return ``""``.
     """
 
-    __slots__ = (
-        "_tokenizer",
-        "_stream",
-        "_stops",
-        "_max_stop_len",
-        "_held",
-        "_emitted",
-        "_ids",
-        "stop_string",
-    )
+    __slots__ = ("_tokenizer", "_stream", "_scanner", "_emitted", "_ids")
 
     def __init__(self, tokenizer, stop: Sequence[str] = (), prior_token_ids: Sequence[int] = ()) -> None:
         self._tokenizer = tokenizer
         self._stream = _new_stream()
-        self._stops = tuple(s for s in stop if s)
-        self._max_stop_len = max((len(s) for s in self._stops), default=0)
-        self._held = ""
+        self._scanner = StopScanner(stop)
         self._emitted: list[str] = []
         self._ids: list[int] = []
-        self.stop_string: str | None = None
         for token_id in prior_token_ids:
             self.add_token(token_id)
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that matched, or None."""
+        return self._scanner.stop_string
 
     @property
     def text(self) -> str:
@@ -133,50 +129,15 @@ class IncrementalDetokenizer:
         An id the tokenizer does not know decodes to nothing (``tokenizers``
         skips it).
         """
-        if self.stop_string is not None:
+        if self._scanner.stop_string is not None:
             return ""
         self._ids.append(token_id)
         chunk = self._stream.step(self._tokenizer, token_id)
         if not chunk:
             return ""
-        if not self._stops:
-            self._emitted.append(chunk)
-            return chunk
-        return self._scan_stops(chunk)
-
-    def _scan_stops(self, chunk: str) -> str:
-        """Append ``chunk`` to the held-back text, cut at a stop string or hold a possible prefix."""
-        pending = self._held + chunk
-        # A match must end inside the new chunk, so it starts at most
-        # max_stop_len - 1 characters before it.
-        search_from = max(0, len(self._held) - self._max_stop_len + 1)
-        best_start = -1
-        best_stop = None
-        for stop in self._stops:
-            start = pending.find(stop, search_from)
-            if start != -1 and (best_start == -1 or start < best_start):
-                best_start, best_stop = start, stop
-        if best_stop is not None:
-            self.stop_string = best_stop
-            self._held = ""
-            delta = pending[:best_start]
-            self._emitted.append(delta)
-            return delta
-        hold = self._longest_stop_prefix_suffix(pending)
-        delta = pending[: len(pending) - hold]
-        self._held = pending[len(pending) - hold :]
+        delta = self._scanner.add(chunk)
         self._emitted.append(delta)
         return delta
-
-    def _longest_stop_prefix_suffix(self, text: str) -> int:
-        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-        limit = min(len(text), self._max_stop_len - 1)
-        for length in range(limit, 0, -1):
-            suffix = text[-length:]
-            for stop in self._stops:
-                if stop.startswith(suffix):
-                    return length
-        return 0
 
     def flush(self) -> str:
         """Return the final delta for a request ending without a stop string.
@@ -186,11 +147,11 @@ class IncrementalDetokenizer:
         docstring for the rule and the U+FFFD case. Returns ``""`` after a stop
         string matched.
         """
-        if self.stop_string is not None:
+        if self._scanner.stop_string is not None:
             return ""
         reference = self._tokenizer.decode(self._ids, skip_special_tokens=True)
         emitted = self.text
-        held, self._held = self._held, ""
+        held = self._scanner.flush()
         if reference.startswith(emitted):
             delta = reference[len(emitted) :]
         else:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 
+from ringstream.ipc.protocol import SamplingParams, check_sampling
+
 __all__ = [
     "BaseEngine",
     "CapacityError",
@@ -31,37 +33,6 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 
 
 @dataclass(slots=True)
-class SamplingParams:
-    """How to pick and when to stop generating tokens for one request.
-
-    Attributes:
-        max_tokens: maximum number of output tokens (>= 1), counting tokens of
-            a resumed request generated before the resume.
-        temperature: logit divisor; 0 means greedy (argmax).
-        top_p: nucleus mass kept, in (0, 1]; 1.0 disables it.
-        top_k: number of most likely tokens kept; 0 disables it.
-        seed: per-request seed; the same seed and prompt give the same tokens
-            whatever else is batched with the request, and a resumed request
-            continues the same tokens (the generator is reseeded per output
-            token from ``(seed, seq)``). None uses the engine's generator.
-        stop: stop strings; the output text ends right before the first one to
-            appear, which is not included.
-        stop_token_ids: token ids that end the request (included in the output
-            token ids, contributing no text).
-        ignore_eos: keep generating past the model's EOS token(s).
-    """
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-
-@dataclass(slots=True)
 class EngineRequest:
     """One generation request.
 
@@ -69,7 +40,8 @@ class EngineRequest:
         handle: caller-chosen id, unique among the engine's unfinished requests.
         prompt_token_ids: the prompt, already tokenized (BOS included if the
             model expects one).
-        params: sampling and stop parameters.
+        params: sampling and stop parameters (the wire's
+            :class:`ringstream.ipc.protocol.SamplingParams`, as the client sent them).
         output_token_ids: tokens already generated. On ``add`` they are
             prefilled together with the prompt and generation continues with
             ``seq = len(output_token_ids)``; the detokenizer state is rebuilt so
@@ -143,10 +115,11 @@ def check_request(req: EngineRequest, max_model_len: int, vocab_size: int,
 
     ``stop_token_ids`` adds ``eos_token_ids`` to the request's own unless it
     ignores EOS. Raises ValueError for an empty prompt, a token id outside
-    ``[0, vocab_size)``, ``len(prompt) + len(output) >= max_model_len``,
-    ``max_tokens < 1``, a temperature below 0 (or NaN), ``top_p`` outside
-    ``(0, 1]``, ``top_k < 0``, or ``output_token_ids`` (a resumed request)
-    that already hold ``max_tokens`` tokens or end with a stop token.
+    ``[0, vocab_size)``, ``params`` that :func:`ringstream.ipc.protocol.check_sampling`
+    refuses (a limit of the wire, a stop token id outside the vocabulary), or
+    ``output_token_ids`` (a resumed request) that already hold ``max_tokens``
+    tokens or end with a stop token; :class:`PromptTooLong` (a ValueError) when
+    ``len(prompt) + len(output) >= max_model_len``.
     """
     params = req.params
     prompt = req.prompt_token_ids
@@ -159,16 +132,9 @@ def check_request(req: EngineRequest, max_model_len: int, vocab_size: int,
         )
     if min(min(prompt), min(output, default=0)) < 0 or max(max(prompt), max(output, default=0)) >= vocab_size:
         raise ValueError(f"token ids must be in [0, {vocab_size})")
-    if params.max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
+    check_sampling(params, vocab_size)
     if len(output) >= params.max_tokens:
         raise ValueError(f"output_token_ids already hold max_tokens={params.max_tokens} tokens")
-    if not params.temperature >= 0:
-        raise ValueError(f"temperature must be >= 0, got {params.temperature}")
-    if not 0.0 < params.top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
-    if params.top_k < 0:
-        raise ValueError(f"top_k must be >= 0, got {params.top_k}")
     user_stop_ids = frozenset(params.stop_token_ids)
     stop_ids = user_stop_ids if params.ignore_eos else user_stop_ids | frozenset(eos_token_ids)
     if output and output[-1] in stop_ids:

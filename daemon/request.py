@@ -135,7 +135,7 @@ class Request:
 
     @property
     def max_tokens(self) -> int:
-        return self.msg.max_tokens
+        return self.msg.sampling.max_tokens
 
     def usage(self, now: float) -> P.Usage:
         """Its ``Usage`` at ``now``: queue time counts every wait, also after a preemption."""

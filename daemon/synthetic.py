@@ -17,8 +17,8 @@ What it shares with ``Engine``:
   being its last;
 * stop conditions in the same order: EOS / ``stop_token_ids`` (the token is
   included and adds no text), then ``stop`` strings (the text ends right
-  before the first one, which is never emitted, held back across tokens the
-  way :class:`ringstream.daemon.detokenizer.IncrementalDetokenizer` does), then length
+  before the first one, which is never emitted, held back across tokens by
+  the same :class:`ringstream.daemon.stops.StopScanner` as ``Engine``'s detokenizer), then length
   (``max_tokens`` or the context limit ``max_model_len``);
 * ``abort``, resume via ``EngineRequest.output_token_ids`` (generation
   continues at ``seq = len(output_token_ids)``), and the same
@@ -51,6 +51,7 @@ from ringstream.daemon.engine_api import (
     TokenOutput,
     check_request,
 )
+from ringstream.daemon.stops import StopScanner
 
 __all__ = ["SyntheticEngine", "synthetic_text", "synthetic_token_id"]
 
@@ -74,59 +75,6 @@ def synthetic_text(seq: int) -> str:
     return f"{TEXT_PREFIX}{seq}"
 
 
-class _StopScanner:
-    """Stop-string matching over streamed text, holding back possible stop-string prefixes.
-
-    Same rule as :class:`ringstream.daemon.detokenizer.IncrementalDetokenizer`: the text
-    ends right before the first stop string to appear (possibly spread over
-    several deltas), which is not emitted; the longest suffix that could start
-    a stop string is held back until it is resolved.
-    """
-
-    __slots__ = ("_stops", "_max_stop_len", "_held", "stop_string")
-
-    def __init__(self, stops: tuple[str, ...]) -> None:
-        self._stops = tuple(s for s in stops if s)
-        self._max_stop_len = max((len(s) for s in self._stops), default=0)
-        self._held = ""
-        self.stop_string: str | None = None
-
-    def add(self, chunk: str) -> str:
-        """Feed a text delta; return the part that is safe to emit now."""
-        if self.stop_string is not None:
-            return ""
-        if not self._stops:
-            return chunk
-        pending = self._held + chunk
-        # A match must end inside the new chunk, so it starts at most
-        # max_stop_len - 1 characters before it.
-        search_from = max(0, len(self._held) - self._max_stop_len + 1)
-        best_start = -1
-        for stop in self._stops:
-            start = pending.find(stop, search_from)
-            if start != -1 and (best_start == -1 or start < best_start):
-                best_start, self.stop_string = start, stop
-        if best_start != -1:
-            self._held = ""
-            return pending[:best_start]
-        hold = self._longest_stop_prefix_suffix(pending)
-        self._held = pending[len(pending) - hold :]
-        return pending[: len(pending) - hold]
-
-    def _longest_stop_prefix_suffix(self, text: str) -> int:
-        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-        for length in range(min(len(text), self._max_stop_len - 1), 0, -1):
-            suffix = text[-length:]
-            if any(stop.startswith(suffix) for stop in self._stops):
-                return length
-        return 0
-
-    def flush(self) -> str:
-        """Release the held-back text (the request ends without a stop string)."""
-        held, self._held = self._held, ""
-        return "" if self.stop_string is not None else held
-
-
 @dataclass(slots=True, eq=False)
 class _Sequence:
     """Engine-side state of one unfinished request."""
@@ -135,7 +83,7 @@ class _Sequence:
     max_output_tokens: int
     stop_token_ids: frozenset[int]
     user_stop_token_ids: frozenset[int]
-    scanner: _StopScanner
+    scanner: StopScanner
 
 
 class SyntheticEngine(BaseEngine):
@@ -271,7 +219,7 @@ class SyntheticEngine(BaseEngine):
         prompt = req.prompt_token_ids
         output = req.output_token_ids
         stop_ids, user_stop_ids = check_request(req, self.max_model_len, self.vocab_size, self.eos_token_ids)
-        scanner = _StopScanner(params.stop)
+        scanner = StopScanner(params.stop)
         for seq_no in range(len(output)):
             scanner.add(synthetic_text(seq_no))
         if scanner.stop_string is not None:

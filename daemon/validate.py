@@ -1,9 +1,10 @@
 """Request validation in the front: everything checked before a request queues.
 
 The wire decoder already enforced types and ranges (``ringstream.ipc.protocol`` limits);
-here come the checks that need the model: tokenisation, vocabulary range and
-the context length. A rejected request raises :class:`RequestRejected` with
-the error code its client receives.
+here come the checks that need the model: tokenisation, vocabulary range
+(of the prompt here, of the stop token ids in the sampling parameters' one
+check, shared with the engines) and the context length. A rejected request
+raises :class:`RequestRejected` with the error code its client receives.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class Validator:
         return min(context_tokens or self.max_model_len, self.max_model_len)
 
     def precheck(self, msg: P.Generate, limit: int) -> None:
-        """The checks that need no tokenisation. Raises :class:`RequestRejected`."""
+        """The checks that need no tokenisation, the sampling parameters' among them
+        (:func:`ringstream.ipc.protocol.check_sampling`). Raises :class:`RequestRejected`."""
         if (msg.prompt is None) == (msg.prompt_token_ids is None):
             raise RequestRejected(P.ErrorCode.INVALID_REQUEST, "give exactly one of prompt or prompt_token_ids")
         if msg.prompt is not None:
@@ -66,6 +68,10 @@ class Validator:
                                       f"prompt of {len(msg.prompt)} characters cannot fit the context of {limit} tokens")
         elif not msg.prompt_token_ids:
             raise RequestRejected(P.ErrorCode.INVALID_REQUEST, "empty prompt_token_ids")
+        try:
+            P.check_sampling(msg.sampling, self.vocab_size)
+        except ValueError as exc:
+            raise RequestRejected(P.ErrorCode.INVALID_REQUEST, str(exc)) from None
 
     def tokenize(self, prompt: str, *, release_gil: bool = False) -> list[int]:
         """Token ids of a text prompt (special tokens added). ``release_gil``: let other threads run meanwhile."""
@@ -75,13 +81,13 @@ class Validator:
 
     def finish(self, msg: P.Generate, ids: list[int], limit: int) -> list[int]:
         """Check the prompt's token ids against the vocabulary and ``limit``; returns them. Raises RequestRejected."""
-        for name, values in (("prompt_token_ids", ids), ("stop_token_ids", msg.stop_token_ids)):
-            if values and max(values) >= self.vocab_size:
-                raise RequestRejected(P.ErrorCode.INVALID_REQUEST,
-                                      f"{name}: token id {max(values)} is outside the vocabulary of {self.vocab_size}")
-        if len(ids) + msg.max_tokens > limit:
+        if ids and max(ids) >= self.vocab_size:
+            raise RequestRejected(P.ErrorCode.INVALID_REQUEST, f"prompt_token_ids: token id {max(ids)} is outside "
+                                                               f"the vocabulary of {self.vocab_size}")
+        max_tokens = msg.sampling.max_tokens
+        if len(ids) + max_tokens > limit:
             raise RequestRejected(
                 P.ErrorCode.PROMPT_TOO_LONG,
-                f"prompt ({len(ids)} tokens) + max_tokens ({msg.max_tokens}) exceeds max_model_len = {limit} tokens",
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len = {limit} tokens",
             )
         return ids

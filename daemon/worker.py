@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from ringstream.daemon.engine_api import EngineRequest, PromptTooLong, RequestError, SamplingParams
+from ringstream.daemon.engine_api import EngineRequest, PromptTooLong, RequestError
 from ringstream.daemon.proctitle import set_process_title, worker_title
 from ringstream.ipc import protocol as P
 from ringstream.ipc.ring import KIND_ERROR, KIND_FINISH, KIND_TOKEN, RingProducer
@@ -348,14 +348,9 @@ class Worker:
                     self._write_finish(handle, 0, P.Finish(finish_reason=P.FinishReason.CANCELLED))
 
     def _assign(self, cmd: P.Assign) -> None:
-        params = SamplingParams(
-            max_tokens=cmd.max_tokens, temperature=cmd.temperature, top_p=cmd.top_p, top_k=cmd.top_k,
-            seed=cmd.seed, stop=tuple(cmd.stop), stop_token_ids=tuple(cmd.stop_token_ids),
-            ignore_eos=cmd.ignore_eos,
-        )
         try:
-            self.engine.add(EngineRequest(cmd.handle, list(cmd.prompt_token_ids), params,
-                                          list(cmd.output_token_ids), cmd.priority))
+            self.engine.add(EngineRequest(cmd.handle, cmd.prompt_token_ids, cmd.sampling, cmd.output_token_ids,
+                                          cmd.priority))
         except PromptTooLong as exc:
             self._write_error(cmd.handle, P.ErrorCode.PROMPT_TOO_LONG, str(exc))
             return

@@ -217,8 +217,9 @@ class AsyncClient(ClientBase):
                        id: str | None = None, **params) -> AsyncIterator[P.Chunk]:
         """Stream one generation: yields ``Chunk``s; the last has ``finish_reason``.
 
-        ``params`` are :class:`ringstream.ipc.protocol.Generate` fields, with
-        its defaults (:data:`GENERATE_DEFAULTS`): ``max_tokens`` (16),
+        ``params`` are flat fields of :class:`ringstream.ipc.protocol.SamplingParams`
+        and :class:`~ringstream.ipc.protocol.Generate`, with their defaults
+        (:data:`GENERATE_DEFAULTS`): ``max_tokens`` (16),
         ``temperature`` (1.0; 0 is greedy), ``top_p`` (1.0), ``top_k`` (0:
         off), ``seed``, ``stop`` (a string or a list of strings),
         ``stop_token_ids``, ``ignore_eos``, ``priority`` (0; lower is served

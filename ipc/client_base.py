@@ -27,12 +27,13 @@ DEFAULT_TIMEOUT_S = 30.0
 """Raise :class:`DaemonUnavailable` when the daemon has said nothing for this long, seconds."""
 
 GENERATE_DEFAULTS: dict[str, object] = {
-    f.name: f.default for f in msgspec.structs.fields(P.Generate)
-    if f.default is not msgspec.NODEFAULT and f.default is not None
+    f.name: f.default for cls in (P.SamplingParams, P.Generate) for f in msgspec.structs.fields(cls)
+    if f.default is not msgspec.NODEFAULT and f.default is not None and not isinstance(f.default, msgspec.Struct)
 }
-"""The defaults of every request: those of the wire message :class:`ringstream.ipc.protocol.Generate`
-(``max_tokens`` 16, ``temperature`` 1.0, ``top_p`` 1.0, ``top_k`` 0, ...), the same for the library,
-the CLI and raw protocol clients."""
+"""The defaults of every request, by flat field name: those of the wire's
+:class:`ringstream.ipc.protocol.SamplingParams` (``max_tokens`` 16, ``temperature`` 1.0, ``top_p`` 1.0,
+``top_k`` 0, ...) and :class:`~ringstream.ipc.protocol.Generate` (``priority`` 0, ...), the same for the
+library, the CLI and raw protocol clients."""
 
 
 @dataclass
@@ -128,13 +129,15 @@ def _request_params(params: dict) -> dict:
 
 
 def _generate_frame(rid: str, prompt: str | None, prompt_token_ids: list[int] | None, params: dict) -> bytes:
-    """The encoded ``Generate``; TypeError for an unknown parameter, InvalidRequest for what cannot be sent.
+    """The encoded ``Generate`` of flat ``params`` (the one place a client builds it, sampling fields nested by
+    :func:`ringstream.ipc.protocol.make_generate`); TypeError for an unknown parameter, InvalidRequest for
+    what cannot be sent.
 
     What cannot be sent: an integer outside msgpack's 64-bit range, or a frame
     over the daemon's ``MAX_FRAME_BYTES`` (ZeroMQ would drop the connection).
     """
     try:
-        msg = P.Generate(id=rid, prompt=prompt, prompt_token_ids=prompt_token_ids, **_request_params(params))
+        msg = P.make_generate(rid, prompt=prompt, prompt_token_ids=prompt_token_ids, **_request_params(params))
     except TypeError as exc:
         raise TypeError(f"generate(): {exc}") from None
     try:

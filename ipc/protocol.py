@@ -4,20 +4,39 @@ Two channels use these types:
 
 * the **client channel** (apps <-> front, ZeroMQ DEALER <-> ROUTER): a client
   sends one of :data:`ClientMessage`, the front answers with
-  :data:`ServerMessage`;
+  :data:`ServerMessage`; both are defined here;
 * the **worker channel** (front <-> worker processes, ZeroMQ PUSH/PULL): the
-  front sends :data:`WorkerCommand`, workers send :data:`WorkerEvent`. Tokens
-  themselves do not travel here; they go through the shared-memory ring
-  (:mod:`ringstream.ipc.ring`), whose FINISH and ERROR records carry a msgpack-encoded
-  :class:`Finish` or :class:`WorkerError` payload.
+  front sends :data:`WorkerCommand`, workers send :data:`WorkerEvent`
+  (defined in :mod:`ringstream.ipc.worker_protocol`, every name re-exported
+  here). Tokens themselves do not travel there; they go through the
+  shared-memory ring (:mod:`ringstream.ipc.ring`), whose FINISH and ERROR
+  records carry a msgpack-encoded :class:`Finish` or :class:`WorkerError` payload.
+
+The limits, error codes, finish reasons and :class:`SamplingParams` (how a
+request samples and stops, carried from ``Generate`` through ``Assign`` to the
+engine unchanged) live in :mod:`ringstream.ipc.wire`, re-exported here too.
 
 Encoding: msgpack, each struct ``array_like`` (``[tag, field, ...]``) with its
-tag first. Evolution is append-only: a new field goes at the end of its struct
-with a default, so a peer of the previous version still decodes it (the tests
-decode messages written by older layouts). Decoders are built once per
-direction (:data:`CLIENT_DECODER`, ...) and reused.
+tag first; a nested struct (``Generate.sampling``) is one nested array.
+Evolution is append-only: a new field goes at the end of its struct with a
+default, so a peer of the previous version still decodes it (the tests decode
+messages written by older layouts). Decoders are built once per direction
+(:data:`CLIENT_DECODER`, ...) and reused.
 
-Limits (the ``Meta`` constraints below) are part of the protocol: a frame that
+Versions (:data:`PROTOCOL_VERSION`):
+
+* 2: the sampling fields of ``Generate`` (``max_tokens`` ... ``ignore_eos``,
+  its array positions 4 to 11 in version 1) became one nested array,
+  ``sampling`` at position 4, followed by ``priority``, ``queue_timeout_s``,
+  ``timeout_s`` and ``stream``. A version-1 ``Generate`` that gives only its
+  leading fields (id, prompt, prompt_token_ids) decodes with every default; one
+  that gives more has a number at position 4 and is refused with
+  ``INVALID_REQUEST`` (``Expected `array`, got `int` - at `sampling```).
+  ``Assign`` carries the same ``sampling`` array (front and workers are always
+  the same version).
+* 1: the first layout.
+
+Limits (the ``Meta`` constraints) are part of the protocol: a frame that
 breaks them fails to decode with :class:`msgspec.ValidationError`, before the
 front allocates anything for it. ``MAX_FRAME_BYTES`` is the ZeroMQ
 ``MAXMSGSIZE`` the front sets on its socket.
@@ -25,114 +44,74 @@ front allocates anything for it. ``MAX_FRAME_BYTES`` is the ZeroMQ
 
 from __future__ import annotations
 
-import enum
-import re
 from typing import Annotated, Union
 
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = 1
+from ringstream.ipc.wire import (  # noqa: F401  (re-exported: the protocol's one namespace)
+    MAX_ADMIN_SETTINGS, MAX_FRAME_BYTES, MAX_ID_CHARS, MAX_OPEN_IDS, MAX_PROMPT_CHARS, MAX_PROMPT_TOKEN_IDS,
+    MAX_SEED, MAX_STATUS_REQUESTS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE,
+    MAX_TOKEN_ID, MAX_TOKENS_LIMIT, WIRE, ErrorCode, FinishReason, RequestId, SamplingParams, Seconds, TokenId,
+    check_sampling, name_path,
+)
+from ringstream.ipc.worker_protocol import (  # noqa: F401  (re-exported)
+    COMMAND_DECODER, EVENT_DECODER, FINISH_DECODER, WORKER_ERROR_DECODER, Abort, Assign, Doorbell, Finish,
+    RingSpace, Shutdown, WorkerCommand, WorkerError, WorkerEvent, WorkerHeartbeat, WorkerReady, WorkerStartFailed,
+)
 
-MAX_FRAME_BYTES = 4 * 1024 * 1024
-"""Largest client frame the front accepts (ZeroMQ ``MAXMSGSIZE``), bytes."""
-MAX_ID_CHARS = 128
-MAX_PROMPT_CHARS = 1_000_000
-MAX_PROMPT_TOKEN_IDS = 262_144
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
-MAX_STOP_TOKEN_IDS = 64
-MAX_TOKENS_LIMIT = 1_048_576
-"""Largest ``max_tokens`` the wire accepts; the model's context is checked later."""
-MAX_TEMPERATURE = 100.0
-MAX_TOKEN_ID = 2**31 - 1
-MAX_SEED = 2**63 - 1
-MAX_ADMIN_SETTINGS = 32
-MAX_OPEN_IDS = 65_536
-MAX_STATUS_REQUESTS = 100
-"""Open requests a :class:`StatusReply` lists at most (the oldest), so that a reply stays small."""
-
-RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
-TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
-Seconds = Annotated[float, Meta(gt=0, le=86_400)]
-
-_WIRE = dict(array_like=True, omit_defaults=True, gc=False, forbid_unknown_fields=False)
-
-
-class ErrorCode(enum.StrEnum):
-    """Typed error codes of :class:`Error`; each ends its request (terminal)."""
-
-    INVALID_REQUEST = "INVALID_REQUEST"
-    PROMPT_TOO_LONG = "PROMPT_TOO_LONG"
-    QUEUE_FULL = "QUEUE_FULL"
-    QUEUE_TIMEOUT = "QUEUE_TIMEOUT"
-    WORKER_FAILED = "WORKER_FAILED"
-    SHUTTING_DOWN = "SHUTTING_DOWN"
-    UNKNOWN_REQUEST = "UNKNOWN_REQUEST"
-    INTERNAL = "INTERNAL"
-
-
-class FinishReason(enum.StrEnum):
-    """Why a stream ended; carried by the last :class:`Chunk`."""
-
-    STOP = "stop"
-    """EOS, a stop token id or a stop string (``Chunk.stop_reason`` says which)."""
-    LENGTH = "length"
-    """``max_tokens`` reached, or the model's context is full."""
-    CANCELLED = "cancelled"
-    TIMEOUT = "timeout"
-    SHUTDOWN = "shutdown"
-    ERROR = "error"
-
+PROTOCOL_VERSION = 2
+"""Layout version of the messages (see the module docstring for what each changed)."""
 
 # --------------------------------------------------------------------------
 # client -> front
 
 
-class Generate(Struct, tag="generate", **_WIRE):
+class Generate(Struct, tag="generate", **WIRE):
     """Start a generation; answered by ``Chunk``s (``seq`` 0, 1, ...) and one
     terminal message: a ``Chunk`` with ``finish_reason`` or an ``Error``.
 
     Exactly one of ``prompt`` (text, tokenised by the daemon with the model's
     tokenizer, special tokens such as BOS added) or ``prompt_token_ids`` is
-    given. ``temperature == 0`` is greedy decoding. ``top_k == 0`` and
-    ``top_p == 1`` switch those filters off. ``seed`` makes sampling
-    reproducible whatever else is batched with the request. ``stop`` strings
-    end the stream before the matched text (it is not sent); ``stop_token_ids``
-    and EOS (unless ``ignore_eos``) end it after that token. ``priority``:
-    lower is served first. ``queue_timeout_s`` bounds the wait before the first
-    token is scheduled, ``timeout_s`` the whole request, both in seconds; a
-    request may shorten, never lengthen, the daemon's defaults. With
-    ``stream=False`` the text arrives in one terminal ``Chunk``.
+    given. ``sampling``: how tokens are picked and when the stream stops
+    (:class:`SamplingParams`; ``stop`` strings end the stream before the
+    matched text, which is not sent). ``priority``: lower is served first.
+    ``queue_timeout_s`` bounds the wait before the first token is scheduled,
+    ``timeout_s`` the whole request, both in seconds; a request may shorten,
+    never lengthen, the daemon's defaults. With ``stream=False`` the text
+    arrives in one terminal ``Chunk``. :func:`make_generate` builds one from
+    flat fields (``max_tokens=8, stop=["\\n"]``).
     """
 
     id: RequestId
     prompt: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)] | None = None
     prompt_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_PROMPT_TOKEN_IDS)] | None = None
-    max_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS_LIMIT)] = 16
-    temperature: Annotated[float, Meta(ge=0.0, le=MAX_TEMPERATURE)] = 1.0
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)] = 0
-    seed: Annotated[int, Meta(ge=0, le=MAX_SEED)] | None = None
-    stop: Annotated[
-        list[Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]],
-        Meta(max_length=MAX_STOP_STRINGS),
-    ] = []
-    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
-    ignore_eos: bool = False
+    sampling: SamplingParams = SamplingParams()
     priority: Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)] = 0
     queue_timeout_s: Seconds | None = None
     timeout_s: Seconds | None = None
     stream: bool = True
 
 
-class Cancel(Struct, tag="cancel", **_WIRE):
+_SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
+
+
+def make_generate(id: str, **fields) -> Generate:
+    """A :class:`Generate` of flat keyword fields: :class:`SamplingParams`' (``max_tokens``, ``stop``...)
+    go into ``sampling``, the others are ``Generate``'s own. Raises TypeError for an unknown field."""
+    sampling = {name: fields.pop(name) for name in _SAMPLING_FIELDS & fields.keys()}
+    if sampling and "sampling" in fields:
+        raise TypeError(f"give sampling or its fields ({', '.join(sorted(sampling))}), not both")
+    return Generate(id=id, **fields, **({"sampling": SamplingParams(**sampling)} if sampling else {}))
+
+
+class Cancel(Struct, tag="cancel", **WIRE):
     """Stop request ``id``; it ends with ``finish_reason="cancelled"``."""
 
     id: RequestId
 
 
-class Heartbeat(Struct, tag="heartbeat", **_WIRE):
+class Heartbeat(Struct, tag="heartbeat", **WIRE):
     """Sent by a client with open requests at least every ``client_timeout_s / 3``.
 
     The front answers with :class:`HeartbeatAck`, so a client can tell that
@@ -144,14 +123,14 @@ class Heartbeat(Struct, tag="heartbeat", **_WIRE):
     open_ids: Annotated[list[RequestId], Meta(max_length=MAX_OPEN_IDS)] = []
 
 
-class Status(Struct, tag="status", **_WIRE):
+class Status(Struct, tag="status", **WIRE):
     """Ask for live figures; answered by :class:`StatusReply`."""
 
 
 AdminValue = Union[bool, int, float, str, dict[str, int]]
 
 
-class Admin(Struct, tag="admin", **_WIRE):
+class Admin(Struct, tag="admin", **WIRE):
     """Change live settings (``{"max_concurrency": 8}``); answered by :class:`StatusReply`."""
 
     settings: Annotated[dict[Annotated[str, Meta(max_length=64)], AdminValue], Meta(max_length=MAX_ADMIN_SETTINGS)]
@@ -164,7 +143,7 @@ ClientMessage = Union[Generate, Cancel, Heartbeat, Status, Admin]
 # front -> client
 
 
-class Usage(Struct, **_WIRE):
+class Usage(Struct, **WIRE):
     """Token counts and timings of a finished request (seconds)."""
 
     prompt_tokens: int
@@ -174,7 +153,7 @@ class Usage(Struct, **_WIRE):
     e2e_s: float = 0.0
 
 
-class Chunk(Struct, tag="chunk", **_WIRE):
+class Chunk(Struct, tag="chunk", **WIRE):
     """A piece of a request's output.
 
     ``seq`` counts this request's chunks from 0 with no gap. ``text`` is valid
@@ -192,7 +171,7 @@ class Chunk(Struct, tag="chunk", **_WIRE):
     usage: Usage | None = None
 
 
-class Error(Struct, tag="error", **_WIRE):
+class Error(Struct, tag="error", **WIRE):
     """A typed failure. With an ``id`` it is that request's terminal message;
     with ``id=None`` it answers a frame that named no request (undecodable)."""
 
@@ -201,11 +180,11 @@ class Error(Struct, tag="error", **_WIRE):
     message: str
 
 
-class HeartbeatAck(Struct, tag="heartbeat_ack", **_WIRE):
+class HeartbeatAck(Struct, tag="heartbeat_ack", **WIRE):
     """Answer to :class:`Heartbeat`."""
 
 
-class WorkerStatus(Struct, **_WIRE):
+class WorkerStatus(Struct, **WIRE):
     """One worker as the front sees it."""
 
     index: int
@@ -239,7 +218,7 @@ class WorkerStatus(Struct, **_WIRE):
     figure of the whole daemon is ``StatusReply.tokens_per_s``)."""
 
 
-class RequestInfo(Struct, **_WIRE):
+class RequestInfo(Struct, **WIRE):
     """One open request as the front sees it (an entry of ``StatusReply.requests``)."""
 
     id: str
@@ -259,7 +238,7 @@ class RequestInfo(Struct, **_WIRE):
     """Seconds from arrival to its first token; None before that token."""
 
 
-class StatusReply(Struct, tag="status_reply", **_WIRE):
+class StatusReply(Struct, tag="status_reply", **WIRE):
     """Live figures of the daemon."""
 
     version: str
@@ -302,134 +281,11 @@ ServerMessage = Union[Chunk, Error, HeartbeatAck, StatusReply]
 
 
 # --------------------------------------------------------------------------
-# front -> worker
-
-
-class Assign(Struct, tag="assign", **_WIRE):
-    """Start generating request ``handle`` (unique within the daemon run).
-
-    ``output_token_ids`` are tokens the client has already received (resume
-    after preemption or a worker restart); the worker continues at
-    ``seq = len(output_token_ids)``.
-    """
-
-    handle: int
-    prompt_token_ids: list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: list[str]
-    stop_token_ids: list[int]
-    ignore_eos: bool
-    output_token_ids: list[int] = []
-    priority: int = 0
-    """The request's priority (lower is more urgent): the engine preempts the least urgent first
-    when its KV-cache blocks run out."""
-
-
-class Abort(Struct, tag="abort", **_WIRE):
-    """Stop ``handle`` now; the worker answers with a FINISH record (cancelled)."""
-
-    handle: int
-
-
-class RingSpace(Struct, tag="ring_space", **_WIRE):
-    """Doorbell: the front freed ring space while the worker waited for it."""
-
-
-class Shutdown(Struct, tag="shutdown", **_WIRE):
-    """Finish nothing more; exit now."""
-
-
-WorkerCommand = Union[Assign, Abort, RingSpace, Shutdown]
-
-
-# --------------------------------------------------------------------------
-# worker -> front
-
-
-class WorkerReady(Struct, tag="worker_ready", **_WIRE):
-    """The worker loaded its model and warmed up; its capacity."""
-
-    worker: int
-    pid: int
-    device: str
-    max_num_seqs: int
-    max_model_len: int
-    kv_cache_tokens: int
-    kv_cache_bytes: int
-    block_size: int = 1
-    """Token positions per KV-cache block; ``kv_cache_tokens`` is a whole number of blocks."""
-    prefix_caching: bool = False
-    """The engine reuses the KV blocks of prompt prefixes (the front then places requests by prefix)."""
-
-
-class WorkerStartFailed(Struct, tag="worker_start_failed", **_WIRE):
-    """The worker could not start (bad model path, bad device...)."""
-
-    worker: int
-    message: str
-
-
-class Doorbell(Struct, tag="doorbell", **_WIRE):
-    """Records are waiting in ring ``worker`` and the front was asleep."""
-
-    worker: int
-
-
-class WorkerHeartbeat(Struct, tag="worker_heartbeat", **_WIRE):
-    """Periodic liveness signal with the worker's load."""
-
-    worker: int
-    running: int
-    waiting: int
-    steps: int
-    kv_blocks_total: int = 0
-    kv_blocks_free: int = 0
-    """KV-cache blocks no request holds (cached prefixes included: they are evicted on demand)."""
-    preemptions: int = 0
-    """Requests the engine preempted because KV-cache blocks ran out (since the worker started)."""
-    prefix_cache_queries: int = 0
-    """Prompt tokens looked up in the prefix cache (since the worker started)."""
-    prefix_cache_hits: int = 0
-    """Prompt tokens found there."""
-
-
-WorkerEvent = Union[WorkerReady, WorkerStartFailed, Doorbell, WorkerHeartbeat]
-
-
-# --------------------------------------------------------------------------
-# ring payloads
-
-
-class Finish(Struct, **_WIRE):
-    """Payload of a FINISH ring record: how request ``handle`` ended."""
-
-    finish_reason: FinishReason
-    stop_reason: str | int | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-
-class WorkerError(Struct, **_WIRE):
-    """Payload of an ERROR ring record: the request failed inside the worker."""
-
-    code: ErrorCode
-    message: str
-
-
-# --------------------------------------------------------------------------
 # codecs, built once per direction
 
 ENCODER = msgspec.msgpack.Encoder()
 CLIENT_DECODER = msgspec.msgpack.Decoder(ClientMessage)
 SERVER_DECODER = msgspec.msgpack.Decoder(ServerMessage)
-COMMAND_DECODER = msgspec.msgpack.Decoder(WorkerCommand)
-EVENT_DECODER = msgspec.msgpack.Decoder(WorkerEvent)
-FINISH_DECODER = msgspec.msgpack.Decoder(Finish)
-WORKER_ERROR_DECODER = msgspec.msgpack.Decoder(WorkerError)
 
 DecodeError = msgspec.DecodeError
 """Raised by every decoder for a malformed frame (``ValidationError`` is a subclass)."""
@@ -439,21 +295,13 @@ def encode(message: Struct) -> bytes:
     return ENCODER.encode(message)
 
 
-_CLIENT_FIELDS = {cls.__struct_config__.tag: cls.__struct_fields__ for cls in ClientMessage.__args__}
-_PATH_INDEX = re.compile(r"`\$\[(\d+)\]")
+_CLIENT_TYPES = {cls.__struct_config__.tag: cls for cls in ClientMessage.__args__}
 
 
 def explain(error: msgspec.DecodeError, frame: bytes) -> str:
-    """The decode error of a client frame, with array positions named by field (``$[4]`` -> ``max_tokens``)."""
-    text = str(error)
-    match = _PATH_INDEX.search(text)
-    if match is None:
-        return text
-    try:
-        field = _CLIENT_FIELDS[frame_head(frame)[0]][int(match.group(1)) - 1]
-    except LookupError:
-        return text
-    return text[: match.start()] + f"`{field}" + text[match.end():]
+    """The decode error of a client frame, array positions named by field (``$[4][0]``: ``sampling.max_tokens``)."""
+    cls = _CLIENT_TYPES.get(frame_head(frame)[0])
+    return str(error) if cls is None else name_path(str(error), cls)
 
 
 def frame_head(frame: bytes) -> tuple[str | None, str | None]:

@@ -269,7 +269,7 @@ def _stub_daemon(address: str, stop, conn) -> None:
                 sock.send_multipart((identity, ready))
             case P.Heartbeat():
                 sock.send_multipart((identity, ack))
-            case P.Generate(id=rid, max_tokens=count, prompt_token_ids=ids):
+            case P.Generate(id=rid, sampling=P.SamplingParams(max_tokens=count), prompt_token_ids=ids):
                 for seq in range(count):
                     chunk = P.Chunk(id=rid, seq=seq, text=synthetic_text(seq), token_ids=[seq])
                     if seq == count - 1:

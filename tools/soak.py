@@ -76,6 +76,7 @@ FAULT_INTERVAL_S = (3.0, 8.0)
 (doubling per failure of a worker) leaves both workers up most of the time."""
 
 _GENERATE_FIELDS = P.Generate.__struct_fields__
+_SAMPLING_FIELDS = P.SamplingParams.__struct_fields__
 
 
 # --------------------------------------------------------------------------- daemons
@@ -132,10 +133,12 @@ UNKNOWN = frozenset({P.ErrorCode.UNKNOWN_REQUEST.value})
 
 
 def generate_array(**fields) -> list:
-    """A Generate message as the raw msgpack array (tag, then fields in wire order), any values allowed."""
+    """A Generate message as the raw msgpack array (tag, then fields in wire order, the sampling fields
+    nested as ``sampling``), any values allowed; ``fields`` by flat name (``max_tokens=...``)."""
     values = {"id": "h", "prompt": "The socket module", "max_tokens": 4, **fields}
-    defaults = {name: getattr(P.Generate(id="x"), name) for name in _GENERATE_FIELDS}
-    return ["generate", *[values.get(name, defaults[name]) for name in _GENERATE_FIELDS]]
+    sampling, message = P.SamplingParams(), P.Generate(id="x")
+    values["sampling"] = [values.get(name, getattr(sampling, name)) for name in _SAMPLING_FIELDS]
+    return ["generate", *[values.get(name, getattr(message, name)) for name in _GENERATE_FIELDS]]
 
 
 def _pack(value) -> bytes:
@@ -651,8 +654,8 @@ def soak_overload(workdir: Path, seconds: float) -> dict:
     rate_hz = 10 * capacity_hz
 
     def request(i: int) -> P.Generate:
-        return P.Generate(id=f"l{i}", prompt_token_ids=[5, 6, 7], max_tokens=max_tokens, ignore_eos=True,
-                          stream=False, timeout_s=timeout_s)
+        return P.make_generate(id=f"l{i}", prompt_token_ids=[5, 6, 7], max_tokens=max_tokens, ignore_eos=True,
+                               stream=False, timeout_s=timeout_s)
 
     with soak_daemon(workdir, config=config) as daemon:
         offer_load(daemon.address, rate_hz, 2.0, request)  # warm-up: allocator and caches at steady state

@@ -7,108 +7,24 @@ clock, and worker output arrives as ring records built here.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 
 import pytest
 
-from ringstream.daemon.config import Config
 from ringstream.daemon.core import ABORT_GRACE_S, MAX_RESUMES, FrontCore
 from ringstream.daemon.intake import Intake
 from ringstream.daemon.outbox import RETRY_SEND_S
 from ringstream.daemon.request import DaemonState, Request, RequestStatus
 from ringstream.ipc import protocol as P
 from ringstream.ipc.ring import KIND_ERROR, KIND_FINISH, KIND_TOKEN, Record
-
-CLIENT = b"app-1"
-
-
-class FakeTimer:
-    def __init__(self, ports: FakePorts, due: float, callback, args) -> None:
-        self.ports, self.due, self.callback, self.args, self.cancelled = ports, due, callback, args, False
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-class FakePorts:
-    """Records what the core sends; ``advance(dt)`` moves the clock and fires the timers that fall due."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-        self.sent: list[tuple[bytes, object]] = []
-        self.commands: list[tuple[int, object]] = []
-        self.send_results: dict[bytes, str] = {}
-        self._timers: list[tuple[float, int, FakeTimer]] = []
-        self._order = itertools.count()
-        self.milestones: list[str] = []
-
-    def clock(self) -> float:
-        return self.now
-
-    def send(self, identity: bytes, msg) -> str:
-        result = self.send_results.get(identity, "sent")
-        if result == "sent":
-            self.sent.append((identity, msg))
-        return result
-
-    def send_worker(self, index: int, command) -> None:
-        self.commands.append((index, command))
-
-    def call_later(self, delay_s: float, callback, *args) -> FakeTimer:
-        timer = FakeTimer(self, self.now + delay_s, callback, args)
-        heapq.heappush(self._timers, (timer.due, next(self._order), timer))
-        return timer
-
-    def advance(self, seconds: float) -> None:
-        end = self.now + seconds
-        while self._timers and self._timers[0][0] <= end:
-            due, _, timer = heapq.heappop(self._timers)
-            self.now = max(self.now, due)
-            if not timer.cancelled:
-                timer.callback(*timer.args)
-        self.now = end
-
-    def poll_connections(self) -> None:
-        self.milestones.append("poll")
-
-    def ready(self) -> None:
-        self.milestones.append("ready")
-
-    def stopping(self) -> None:
-        self.milestones.append("stopping")
-
-    def stopped(self) -> None:
-        self.milestones.append("stopped")
-
-    # ---- views
-
-    def to_client(self, identity: bytes = CLIENT) -> list:
-        return [msg for who, msg in self.sent if who == identity]
-
-    def take_commands(self) -> list[tuple[int, object]]:
-        commands, self.commands = self.commands, []
-        return commands
-
-
-def make_core(num_workers: int = 1, **settings) -> tuple[FrontCore, FakePorts]:
-    config = Config(**{"drain_timeout_s": 5.0, "timeout_s": 60.0, **settings})
-    ports = FakePorts()
-    return FrontCore(config, ports, num_workers, clock=ports.clock), ports
-
-
-def worker_ready(core: FrontCore, index: int = 0, max_num_seqs: int = 4, kv_cache_tokens: int = 4096) -> None:
-    core.on_worker_ready(P.WorkerReady(worker=index, pid=100 + index, device="cpu", max_num_seqs=max_num_seqs,
-                                       max_model_len=1024, kv_cache_tokens=kv_cache_tokens, kv_cache_bytes=1 << 20,
-                                       block_size=16))
-
+from tests.daemon.fake_ports import CLIENT, make_core, worker_ready
 
 _handles = itertools.count(1)
 
 
 def submit(core: FrontCore, rid: str, prompt=(1, 2, 3), client: bytes = CLIENT, **fields) -> Request:
     """A validated request admitted to the core, as the intake does it."""
-    msg = P.Generate(id=rid, prompt_token_ids=list(prompt), **fields)
+    msg = P.make_generate(rid, prompt_token_ids=list(prompt), **fields)
     req = Request(client, rid, next(_handles), msg, list(prompt), core.clock(), queued_at=core.clock())
     core.admit(req, connection=None)
     return req
@@ -142,7 +58,7 @@ def test_a_request_waits_for_a_ready_worker_then_streams_and_ends_with_its_usage
     worker_ready(core)
     assert core.state == DaemonState.SERVING and ports.milestones == ["ready"]
     [(index, assign)] = ports.take_commands()
-    assert (index, assign.handle, assign.prompt_token_ids, assign.max_tokens) == (0, req.handle, [1, 2, 3], 3)
+    assert (index, assign.handle, assign.prompt_token_ids, assign.sampling.max_tokens) == (0, req.handle, [1, 2, 3], 3)
     assert req.status == RequestStatus.RUNNING
 
     ports.advance(0.1)

@@ -160,7 +160,7 @@ def test_cancel_mid_stream_stops_generation_and_frees_the_slot(small_daemon):
     d = small_daemon
     raw = RawClient(d.address)
     try:
-        raw.send(P.Generate(id="a", prompt="Return the", max_tokens=400, temperature=0.0, ignore_eos=True))
+        raw.send(P.make_generate(id="a", prompt="Return the", max_tokens=400, temperature=0.0, ignore_eos=True))
         seen = 0
         while seen < 3:
             msg = raw.recv()
@@ -173,7 +173,7 @@ def test_cancel_mid_stream_stops_generation_and_frees_the_slot(small_daemon):
         assert final.usage.completion_tokens == seen + after
         assert after <= 8, f"{after} tokens arrived after the cancel"
         # the only slot is free again: a new request runs to completion
-        raw.send(P.Generate(id="b", prompt="Return the", max_tokens=5, temperature=0.0))
+        raw.send(P.make_generate(id="b", prompt="Return the", max_tokens=5, temperature=0.0))
         assert raw.recv_until_terminal("b")[-1].finish_reason in ("length", "stop")
         raw.send(P.Cancel(id="zzz"))
         assert raw.recv().code == P.ErrorCode.UNKNOWN_REQUEST
@@ -188,13 +188,13 @@ def test_queue_full_is_immediate_and_the_daemon_keeps_serving(small_daemon):
     d = small_daemon
     raw = RawClient(d.address)
     try:
-        raw.send(P.Generate(id="run", prompt="Return the", max_tokens=400, temperature=0.0, ignore_eos=True))
+        raw.send(P.make_generate(id="run", prompt="Return the", max_tokens=400, temperature=0.0, ignore_eos=True))
         assert raw.recv().id == "run"  # running now
-        raw.send(P.Generate(id="wait", prompt="Return the", max_tokens=4))
+        raw.send(P.make_generate(id="wait", prompt="Return the", max_tokens=4))
         latencies = []
         for i in range(5):
             start = time.monotonic()
-            raw.send(P.Generate(id=f"full{i}", prompt="Return the", max_tokens=4))
+            raw.send(P.make_generate(id=f"full{i}", prompt="Return the", max_tokens=4))
             reply = raw.recv_until_terminal(f"full{i}")[-1]
             latencies.append(time.monotonic() - start)
             assert isinstance(reply, P.Error) and reply.code == P.ErrorCode.QUEUE_FULL
@@ -214,11 +214,11 @@ def test_queue_full_is_immediate_and_the_daemon_keeps_serving(small_daemon):
 def test_deadlines_end_streams_and_waiting_requests(small_daemon):
     raw = RawClient(small_daemon.address)
     try:
-        raw.send(P.Generate(id="slow", prompt="Return the", max_tokens=509, temperature=0.0, ignore_eos=True,
-                            timeout_s=0.4))  # 509 tokens take longer (about 1 s on 2 cores, 0.5 s at 1 ms a token)
+        raw.send(P.make_generate(id="slow", prompt="Return the", max_tokens=509, temperature=0.0, ignore_eos=True,
+                                 timeout_s=0.4))  # 509 tokens take longer (about 1 s on 2 cores, 0.5 s at 1 ms a token)
         # Sent at once: "slow" takes the one slot on arrival, so "queued" waits whatever slow's TTFT on a busy host.
         start = time.monotonic()
-        raw.send(P.Generate(id="queued", prompt="Return the", max_tokens=4, queue_timeout_s=0.2))
+        raw.send(P.make_generate(id="queued", prompt="Return the", max_tokens=4, queue_timeout_s=0.2))
         error = raw.recv_until_terminal("queued")[-1]
         waited = time.monotonic() - start
         assert isinstance(error, P.Error) and error.code == P.ErrorCode.QUEUE_TIMEOUT
@@ -234,15 +234,17 @@ BAD_FRAMES = [
     (b"\xc1 not msgpack", None, P.ErrorCode.INVALID_REQUEST),
     (msgspec.msgpack.encode(["generate", "t1", 123]), "t1", P.ErrorCode.INVALID_REQUEST),
     (msgspec.msgpack.encode(["generate"]), None, P.ErrorCode.INVALID_REQUEST),
-    (msgspec.msgpack.encode(["generate", "m0", "x", None, 0]), "m0", P.ErrorCode.INVALID_REQUEST),
-    (msgspec.msgpack.encode(["generate", "m1", "x", None, -1]), "m1", P.ErrorCode.INVALID_REQUEST),
-    (msgspec.msgpack.encode(["generate", "m2", "x", None, 2**40]), "m2", P.ErrorCode.INVALID_REQUEST),
+    (msgspec.msgpack.encode(["generate", "m0", "x", None, [0]]), "m0", P.ErrorCode.INVALID_REQUEST),
+    (msgspec.msgpack.encode(["generate", "m1", "x", None, [-1]]), "m1", P.ErrorCode.INVALID_REQUEST),
+    (msgspec.msgpack.encode(["generate", "m2", "x", None, [2**40]]), "m2", P.ErrorCode.INVALID_REQUEST),
+    (msgspec.msgpack.encode(["generate", "v1", "x", None, 4, 0.0]), "v1", P.ErrorCode.INVALID_REQUEST),  # version 1
     (P.encode(P.Generate(id="e", prompt="")), "e", P.ErrorCode.INVALID_REQUEST),
     (P.encode(P.Generate(id="long", prompt="word " * 5000)), "long", P.ErrorCode.PROMPT_TOO_LONG),
     (P.encode(P.Generate(id="ctx", prompt_token_ids=[5] * 600)), "ctx", P.ErrorCode.PROMPT_TOO_LONG),
-    (msgspec.msgpack.encode(["generate", "nan", "x", None, 4, float("nan")]), "nan", P.ErrorCode.INVALID_REQUEST),
+    (msgspec.msgpack.encode(["generate", "nan", "x", None, [4, float("nan")]]), "nan", P.ErrorCode.INVALID_REQUEST),
     (msgspec.msgpack.encode(["frobnicate", "u1"]), "u1", P.ErrorCode.INVALID_REQUEST),
     (P.encode(P.Generate(id="vocab", prompt_token_ids=[10**6])), "vocab", P.ErrorCode.INVALID_REQUEST),
+    (P.encode(P.make_generate("stopid", prompt="x", stop_token_ids=[10**6])), "stopid", P.ErrorCode.INVALID_REQUEST),
     (P.encode(P.Generate(id="both", prompt="x", prompt_token_ids=[1])), "both", P.ErrorCode.INVALID_REQUEST),
 ]
 
@@ -278,6 +280,7 @@ def test_bad_input_gets_typed_errors_and_harms_no_other_stream(daemon):
             assert (reply.id, reply.code) == (rid, code), reply
         assert concurrent.token_ids == solo.token_ids and concurrent.text == solo.text
         assert not bystander.sock.poll(200), "an error reached another client"
+        assert not raw.sock.poll(200), "a request was refused twice"
     finally:
         raw.close()
         bystander.close()

@@ -12,7 +12,7 @@ ARRIVAL = 100.0
 
 
 def _request(**fields) -> Request:
-    msg = P.Generate(id="r1", prompt_token_ids=[1, 2, 3], max_tokens=16, priority=-2)
+    msg = P.make_generate(id="r1", prompt_token_ids=[1, 2, 3], max_tokens=16, priority=-2)
     return Request(client=b"c", id="r1", handle=1, msg=msg, prompt_token_ids=[1, 2, 3], arrival=ARRIVAL, **fields)
 
 

@@ -157,7 +157,7 @@ def test_both_clients_send_the_same_request_and_read_the_same_answer(fake):
             results.append(client.complete("hi", id="r", max_tokens=3, seed=7, stop=["x"]))
     assert results[0] == results[1] and results[0].text == "a" and results[0].finish_reason == "length"
     first, second = fake.generates()
-    assert first == second == P.Generate(id="r", prompt="hi", max_tokens=3, seed=7, stop=["x"])
+    assert first == second == P.make_generate("r", prompt="hi", max_tokens=3, seed=7, stop=["x"])
 
 
 def test_a_stop_string_is_sent_as_a_list_of_one(fake, make_client):
@@ -165,13 +165,15 @@ def test_a_stop_string_is_sent_as_a_list_of_one(fake, make_client):
     client.complete("hi", stop="\n")
     client.complete("hi", stop=("\n", "."))
     client.complete("hi", stop=None)
-    assert [g.stop for g in fake.generates()] == [["\n"], ["\n", "."], []]
+    assert [g.sampling.stop for g in fake.generates()] == [["\n"], ["\n", "."], []]
 
 
 def test_defaults_are_the_wire_defaults(fake, make_client):
     make_client(fake.address).complete("hi")
     [sent] = fake.generates()
-    assert {name: getattr(sent, name) for name in GENERATE_DEFAULTS} == GENERATE_DEFAULTS
+    flat = msgspec.structs.asdict(sent) | msgspec.structs.asdict(sent.sampling)
+    assert sent.sampling == P.SamplingParams()
+    assert {name: flat[name] for name in GENERATE_DEFAULTS} == GENERATE_DEFAULTS
     assert (GENERATE_DEFAULTS["max_tokens"], GENERATE_DEFAULTS["temperature"], GENERATE_DEFAULTS["top_p"]) == (
         16, 1.0, 1.0)
 
@@ -328,5 +330,6 @@ class TestLiveness:
 
 
 def test_generate_defaults_match_the_protocol():
-    fields = {f.name: f.default for f in msgspec.structs.fields(P.Generate)}
+    fields = {f.name: f.default for cls in (P.Generate, P.SamplingParams) for f in msgspec.structs.fields(cls)}
     assert all(fields[name] == value for name, value in GENERATE_DEFAULTS.items())
+    assert GENERATE_DEFAULTS.keys() >= {"max_tokens", "temperature", "top_p", "top_k", "ignore_eos", "priority"}

@@ -1,6 +1,7 @@
 """Wire protocol: round trips, limits, and messages written by older peers."""
 
 import math
+import re
 
 import msgspec
 import pytest
@@ -8,7 +9,8 @@ import pytest
 from ringstream.ipc import protocol as P
 
 CLIENT_MESSAGES = [
-    P.Generate(id="a", prompt="hello", max_tokens=8, temperature=0.0, stop=["\n"], seed=3, priority=-2),
+    P.Generate(id="a", prompt="hello", sampling=P.SamplingParams(max_tokens=8, temperature=0.0, stop=["\n"], seed=3),
+               priority=-2),
     P.Generate(id="b", prompt_token_ids=[1, 2, 3], stream=False, queue_timeout_s=0.5, timeout_s=2.0),
     P.Cancel(id="a"),
     P.Heartbeat(),
@@ -22,8 +24,8 @@ SERVER_MESSAGES = [
     P.HeartbeatAck(),
 ]
 WORKER_MESSAGES = [
-    (P.COMMAND_DECODER, P.Assign(handle=1, prompt_token_ids=[1], max_tokens=2, temperature=0.0, top_p=1.0, top_k=0,
-                                 seed=None, stop=[], stop_token_ids=[], ignore_eos=False, output_token_ids=[4])),
+    (P.COMMAND_DECODER, P.Assign(handle=1, prompt_token_ids=[1], sampling=P.SamplingParams(max_tokens=2, top_k=3),
+                                 output_token_ids=[4])),
     (P.COMMAND_DECODER, P.Abort(handle=1)),
     (P.COMMAND_DECODER, P.Shutdown()),
     (P.EVENT_DECODER, P.WorkerReady(worker=0, pid=1, device="cpu", max_num_seqs=4, max_model_len=512,
@@ -49,10 +51,13 @@ def test_worker_messages_round_trip(decoder, msg):
 
 
 def test_messages_of_an_older_peer_decode_with_defaults():
-    # Version-1 peers may send only the leading fields; newer fields take their defaults.
-    old_generate = msgspec.msgpack.encode(["generate", "r1", "prompt text", None, 5])
+    # Older peers may send only the leading fields; newer fields take their defaults.
+    old_generate = msgspec.msgpack.encode(["generate", "r1", "prompt text", None, [5]])
     msg = P.CLIENT_DECODER.decode(old_generate)
-    assert (msg.id, msg.prompt, msg.max_tokens, msg.temperature, msg.stream) == ("r1", "prompt text", 5, 1.0, True)
+    assert (msg.id, msg.prompt, msg.sampling.max_tokens, msg.sampling.temperature, msg.stream) == (
+        "r1", "prompt text", 5, 1.0, True)
+    assert P.CLIENT_DECODER.decode(msgspec.msgpack.encode(["generate", "r1", None, [1, 2]])).sampling == (
+        P.SamplingParams())
     old_chunk = msgspec.msgpack.encode(["chunk", "r1", 0, "text"])
     assert P.SERVER_DECODER.decode(old_chunk) == P.Chunk(id="r1", seq=0, text="text")
     old_status = msgspec.msgpack.encode(["status_reply", "0.1", True, "serving", 1.0, 0, 0, 10, 4, 0, 0, []])
@@ -155,7 +160,7 @@ def test_newer_peer_fields_are_ignored():
     dict(queue_timeout_s=0.0), dict(timeout_s=-1.0), dict(seed=-1),
 ])
 def test_out_of_range_fields_fail_to_decode(fields):
-    frame = P.encode(P.Generate(id="x", prompt="p", **fields))
+    frame = P.encode(P.make_generate("x", prompt="p", **fields))
     with pytest.raises(msgspec.ValidationError):
         P.CLIENT_DECODER.decode(frame)
 
@@ -171,10 +176,14 @@ def test_malformed_frames_raise_decode_error(frame):
 
 
 def test_decode_errors_name_the_field():
-    frame = msgspec.msgpack.encode(["generate", "r", "x", None, 5, 1.0, 1.0, 0, None, ["ok", 5]])
+    frame = msgspec.msgpack.encode(["generate", "r", "x", None, [5, 1.0, 1.0, 0, None, ["ok", 5]]])
     with pytest.raises(msgspec.ValidationError) as info:
         P.CLIENT_DECODER.decode(frame)
-    assert P.explain(info.value, frame) == "Expected `str`, got `int` - at `stop[1]`"
+    assert P.explain(info.value, frame) == "Expected `str`, got `int` - at `sampling.stop[1]`"
+    frame = msgspec.msgpack.encode(["generate", "r", "x", None, [], "high"])
+    with pytest.raises(msgspec.ValidationError) as info:
+        P.CLIENT_DECODER.decode(frame)
+    assert P.explain(info.value, frame) == "Expected `int`, got `str` - at `priority`"
     assert P.explain(msgspec.DecodeError("boom"), b"\xc1") == "boom"
 
 
@@ -182,3 +191,59 @@ def test_to_dict_names_fields_recursively():
     chunk = P.Chunk(id="a", seq=1, finish_reason=P.FinishReason.LENGTH, usage=P.Usage(1, 2))
     as_dict = P.to_dict(chunk)
     assert as_dict["finish_reason"] == "length" and as_dict["usage"]["completion_tokens"] == 2
+
+
+# --------------------------------------------------------------------------
+# version 2: sampling parameters nested in one array
+
+
+def test_a_version_1_generate_with_sampling_fields_is_refused_naming_sampling():
+    # Version 1 laid max_tokens ... ignore_eos out flat from position 4; version 2 nests them there.
+    old = ["generate", "r1", "prompt text", None, 5, 0.0, 1.0, 0, None, ["\n"], [], False, -3]
+    frame = msgspec.msgpack.encode(old)
+    with pytest.raises(msgspec.ValidationError) as info:
+        P.CLIENT_DECODER.decode(frame)
+    assert P.explain(info.value, frame) == "Expected `array`, got `int` - at `sampling`"
+    assert P.PROTOCOL_VERSION == 2
+
+
+def test_generate_carries_sampling_as_one_nested_array():
+    sampling = P.SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=4, seed=11, stop=["a", "bc"],
+                                stop_token_ids=[3], ignore_eos=True)
+    frame = P.encode(P.Generate(id="r", prompt_token_ids=[1], sampling=sampling, priority=2))
+    nested = [7, 0.5, 0.9, 4, 11, ["a", "bc"], [3], True]
+    assert msgspec.msgpack.decode(frame)[:6] == ["generate", "r", None, [1], nested, 2]
+    assert P.CLIENT_DECODER.decode(frame).sampling == sampling
+
+
+def test_sampling_params_of_a_newer_peer_decode_with_their_fields_ignored():
+    frame = msgspec.msgpack.encode(["generate", "r", "x", None, [4, 0.0, 1.0, 0, None, [], [], False, "future"], 1])
+    msg = P.CLIENT_DECODER.decode(frame)
+    assert msg.sampling == P.SamplingParams(max_tokens=4, temperature=0.0) and msg.priority == 1
+
+
+def test_make_generate_nests_the_flat_sampling_fields():
+    msg = P.make_generate("r", prompt="hi", max_tokens=3, stop=["x"], seed=7, priority=-1, stream=False)
+    assert msg == P.Generate(id="r", prompt="hi", sampling=P.SamplingParams(max_tokens=3, stop=["x"], seed=7),
+                             priority=-1, stream=False)
+    with pytest.raises(TypeError):
+        P.make_generate("r", prompt="hi", max_token=3)
+    with pytest.raises(TypeError):
+        P.make_generate("r", prompt="hi", sampling=P.SamplingParams(), max_tokens=3)
+
+
+@pytest.mark.parametrize("params, field", [
+    (P.SamplingParams(max_tokens=0), "max_tokens"), (P.SamplingParams(temperature=math.nan), "temperature"),
+    (P.SamplingParams(top_p=0.0), "top_p"), (P.SamplingParams(top_k=-1), "top_k"), (P.SamplingParams(seed=-1), "seed"),
+    (P.SamplingParams(stop=[""]), "stop[0]"), (P.SamplingParams(stop="abc"), "stop"),
+    (P.SamplingParams(stop_token_ids=[-2]), "stop_token_ids[0]"), (P.SamplingParams(stop_token_ids=[9]), "vocabulary"),
+])
+def test_check_sampling_applies_the_wire_limits_and_the_vocabulary(params, field):
+    with pytest.raises(ValueError, match=re.escape(field)):
+        P.check_sampling(params, vocab_size=8)
+
+
+def test_check_sampling_accepts_what_the_wire_accepts():
+    P.check_sampling(P.SamplingParams(max_tokens=P.MAX_TOKENS_LIMIT, temperature=0, stop=("a",), stop_token_ids=[7]),
+                     vocab_size=8)
+    P.check_sampling(P.SamplingParams(stop_token_ids=[10**6]))  # no vocabulary given: only the wire's limits

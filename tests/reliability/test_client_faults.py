@@ -57,7 +57,7 @@ def connect(daemon):
 
 
 def _generate(rid: str, max_tokens: int = LONG_TOKENS) -> bytes:
-    return P.encode(P.Generate(id=rid, prompt_token_ids=[5, 6, 7], max_tokens=max_tokens, ignore_eos=True))
+    return P.encode(P.make_generate(id=rid, prompt_token_ids=[5, 6, 7], max_tokens=max_tokens, ignore_eos=True))
 
 
 def _read_streams(sock: zmq.Socket, ids: set[str], timeout_s: float = 30.0) -> dict[str, list[P.Chunk]]:

@@ -91,7 +91,7 @@ def test_duplicate_borrowed_and_extended_messages(daemon):
     ctx = zmq.Context()
     first, second = raw_socket(ctx, daemon.address), raw_socket(ctx, daemon.address)
     try:
-        generate = P.Generate(id="dup", prompt=PROMPT, **GREEDY)
+        generate = P.make_generate(id="dup", prompt=PROMPT, **GREEDY)
         first.send(P.encode(generate))
         first.send(P.encode(generate))  # while the first is open
         second.send(_with_extra_fields(P.encode(generate)))  # the same id from another client
@@ -147,7 +147,7 @@ def test_a_long_prompt_is_tokenised_off_the_loop_with_the_same_result(daemon):
     ctx = zmq.Context()
     sock = raw_socket(ctx, daemon.address)
     try:
-        sock.send(P.encode(P.Generate(id="long", prompt=prompt, max_tokens=400, ignore_eos=True)))
+        sock.send(P.encode(P.make_generate(id="long", prompt=prompt, max_tokens=400, ignore_eos=True)))
         sock.send(P.encode(P.Cancel(id="long")))  # arrives while the prompt is being tokenised
         msgs = _until_terminal(sock, "long")
     finally:

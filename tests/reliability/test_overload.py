@@ -60,8 +60,8 @@ def _free_port() -> int:
 
 
 def _request(i: int) -> P.Generate:
-    return P.Generate(id=f"r{i}", prompt_token_ids=[5, 6, 7], max_tokens=MAX_TOKENS, ignore_eos=True,
-                      stream=False, timeout_s=TIMEOUT_S)
+    return P.make_generate(id=f"r{i}", prompt_token_ids=[5, 6, 7], max_tokens=MAX_TOKENS, ignore_eos=True,
+                           stream=False, timeout_s=TIMEOUT_S)
 
 
 def _gauges(url: str) -> dict[str, float]:

@@ -1,0 +1,140 @@
+"""The worker channel: what the front and its worker processes tell each other, and the ring's payloads.
+
+The front sends :data:`WorkerCommand` (ZeroMQ PUSH), each worker sends
+:data:`WorkerEvent` (PULL in the front); tokens go through the shared-memory
+ring (:mod:`ringstream.ipc.ring`), whose FINISH and ERROR records carry a
+msgpack-encoded :class:`Finish` or :class:`WorkerError`. Front and workers
+are always one version (the front starts its workers), so these layouts may
+change between versions; the encoding is :mod:`ringstream.ipc.protocol`'s,
+which re-exports every name here.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+from msgspec import Struct
+
+from ringstream.ipc.wire import WIRE, ErrorCode, FinishReason, SamplingParams
+
+# --------------------------------------------------------------------------
+# front -> worker
+
+
+class Assign(Struct, tag="assign", **WIRE):
+    """Start generating request ``handle`` (unique within the daemon run).
+
+    ``sampling`` is the request's ``Generate.sampling``, as the client sent it.
+    ``output_token_ids`` are tokens the client has already received (resume
+    after preemption or a worker restart); the worker continues at
+    ``seq = len(output_token_ids)``.
+    """
+
+    handle: int
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    output_token_ids: list[int] = []
+    priority: int = 0
+    """The request's priority (lower is more urgent): the engine preempts the least urgent first
+    when its KV-cache blocks run out."""
+
+
+class Abort(Struct, tag="abort", **WIRE):
+    """Stop ``handle`` now; the worker answers with a FINISH record (cancelled)."""
+
+    handle: int
+
+
+class RingSpace(Struct, tag="ring_space", **WIRE):
+    """Doorbell: the front freed ring space while the worker waited for it."""
+
+
+class Shutdown(Struct, tag="shutdown", **WIRE):
+    """Finish nothing more; exit now."""
+
+
+WorkerCommand = Union[Assign, Abort, RingSpace, Shutdown]
+
+
+# --------------------------------------------------------------------------
+# worker -> front
+
+
+class WorkerReady(Struct, tag="worker_ready", **WIRE):
+    """The worker loaded its model and warmed up; its capacity."""
+
+    worker: int
+    pid: int
+    device: str
+    max_num_seqs: int
+    max_model_len: int
+    kv_cache_tokens: int
+    kv_cache_bytes: int
+    block_size: int = 1
+    """Token positions per KV-cache block; ``kv_cache_tokens`` is a whole number of blocks."""
+    prefix_caching: bool = False
+    """The engine reuses the KV blocks of prompt prefixes (the front then places requests by prefix)."""
+
+
+class WorkerStartFailed(Struct, tag="worker_start_failed", **WIRE):
+    """The worker could not start (bad model path, bad device...)."""
+
+    worker: int
+    message: str
+
+
+class Doorbell(Struct, tag="doorbell", **WIRE):
+    """Records are waiting in ring ``worker`` and the front was asleep."""
+
+    worker: int
+
+
+class WorkerHeartbeat(Struct, tag="worker_heartbeat", **WIRE):
+    """Periodic liveness signal with the worker's load."""
+
+    worker: int
+    running: int
+    waiting: int
+    steps: int
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    """KV-cache blocks no request holds (cached prefixes included: they are evicted on demand)."""
+    preemptions: int = 0
+    """Requests the engine preempted because KV-cache blocks ran out (since the worker started)."""
+    prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the prefix cache (since the worker started)."""
+    prefix_cache_hits: int = 0
+    """Prompt tokens found there."""
+
+
+WorkerEvent = Union[WorkerReady, WorkerStartFailed, Doorbell, WorkerHeartbeat]
+
+
+# --------------------------------------------------------------------------
+# ring payloads
+
+
+class Finish(Struct, **WIRE):
+    """Payload of a FINISH ring record: how request ``handle`` ended."""
+
+    finish_reason: FinishReason
+    stop_reason: str | int | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class WorkerError(Struct, **WIRE):
+    """Payload of an ERROR ring record: the request failed inside the worker."""
+
+    code: ErrorCode
+    message: str
+
+
+# --------------------------------------------------------------------------
+# decoders, built once
+
+COMMAND_DECODER = msgspec.msgpack.Decoder(WorkerCommand)
+EVENT_DECODER = msgspec.msgpack.Decoder(WorkerEvent)
+FINISH_DECODER = msgspec.msgpack.Decoder(Finish)
+WORKER_ERROR_DECODER = msgspec.msgpack.Decoder(WorkerError)
