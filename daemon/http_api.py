@@ -92,7 +92,8 @@ class HttpServer:
     """The HTTP server over a daemon: :meth:`start` binds, :meth:`close` stops and closes everything.
 
     Args:
-        socket_address: the daemon's ZeroMQ address (``ipc://PATH`` or ``tcp://HOST:PORT``).
+        socket_address: the daemon's ZeroMQ address (``ipc://PATH`` or ``tcp://HOST:PORT``); None: the client
+            library's default (:func:`ringstream.ipc.address.client_socket`).
         listen: ``HOST:PORT`` to listen on, or None for none (then ``unix_path`` is needed).
         unix_path: also (or only) listen on this unix socket, created with mode 0600.
         api_key_file: a file holding the bearer token clients must send; required for a non-loopback ``listen``.
@@ -106,7 +107,7 @@ class HttpServer:
             key file that cannot be read or is empty.
     """
 
-    def __init__(self, socket_address: str, listen: str | None = DEFAULT_LISTEN, *, unix_path: str | None = None,
+    def __init__(self, socket_address: str | None, listen: str | None = DEFAULT_LISTEN, *, unix_path: str | None = None,
                  api_key_file: str | Path | None = None, model_name: str | None = None,
                  chat_template: str | Path | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                  shutdown_grace_s: float = SHUTDOWN_GRACE_S) -> None:
@@ -176,7 +177,7 @@ class HttpServer:
                 os.unlink(self.unix_path)
 
 
-async def run_http_server(socket_address: str, listen: str | None = DEFAULT_LISTEN, *,
+async def run_http_server(socket_address: str | None, listen: str | None = DEFAULT_LISTEN, *,
                           unix_path: str | None = None, api_key_file: str | Path | None = None,
                           model_name: str | None = None, chat_template: str | Path | None = None,
                           max_body_bytes: int = MAX_BODY_BYTES, shutdown_grace_s: float = SHUTDOWN_GRACE_S,
@@ -198,7 +199,7 @@ async def run_http_server(socket_address: str, listen: str | None = DEFAULT_LIST
         loop.add_signal_handler(sig, stop.set)
     try:
         urls = await server.start()
-        log.info("serving on %s (daemon %s)", " ".join(urls), socket_address)
+        log.info("serving on %s (daemon %s)", " ".join(urls), server.client.address)
         if print_ready:
             print(READY_LINE, *urls, flush=True)
         await stop.wait()
@@ -212,7 +213,8 @@ async def run_http_server(socket_address: str, listen: str | None = DEFAULT_LIST
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ringstream.daemon.http_api",
                                      description="OpenAI-compatible HTTP API over a ringstream daemon")
-    parser.add_argument("--socket", required=True, help="the daemon's address, ipc://PATH or tcp://HOST:PORT")
+    parser.add_argument("--socket", help="the daemon's address, ipc://PATH or tcp://HOST:PORT (default: the "
+                                         "client library's: $RINGSTREAM_SOCKET, the system service's, the user's)")
     parser.add_argument("--listen", help=f"HOST:PORT (default {DEFAULT_LISTEN} unless only --unix is given; "
                                          "a non-loopback host needs --api-key-file)")
     parser.add_argument("--unix", metavar="PATH", help="also listen on this unix socket (mode 0600)")

@@ -31,6 +31,8 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 """Largest request body, bytes; a larger one gets 413."""
 STATUS_TIMEOUT_S = 2.0
 """How long ``/health`` and the model lookup wait for the daemon's status, seconds."""
+LONG_PROMPT_CHARS = 8192
+"""A rendered chat prompt this long or longer is tokenised on a thread, off the event loop."""
 
 
 def authorized(header: str | None, api_key: str) -> bool:
@@ -141,15 +143,20 @@ class HttpApi:
                              "invalid_request_error", "model", "model_not_found")
         return served
 
-    def _tokens(self, served: ServedModel, text: str) -> list[int]:
-        """Token ids of a rendered chat prompt, special tokens not added (the template holds them)."""
+    async def _tokens(self, served: ServedModel, text: str) -> list[int]:
+        """Token ids of a rendered chat prompt, special tokens not added (the template holds them).
+
+        A long prompt is tokenised on a thread (``tokenizers`` releases the GIL), so that other streams go on.
+        """
         if self._tokenizer is None:
             from tokenizers import Tokenizer  # no torch: only the tokenizer's own library
             try:
                 self._tokenizer = Tokenizer.from_file(str(Path(served.path) / "tokenizer.json"))
             except Exception as exc:  # tokenizers raises plain Exception subclasses
                 raise S.ApiError(500, f"cannot load the model's tokenizer: {exc}", "server_error") from None
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        if len(text) < LONG_PROMPT_CHARS:
+            return self._tokenizer.encode(text, add_special_tokens=False).ids
+        return (await asyncio.to_thread(self._tokenizer.encode_batch, [text], add_special_tokens=False))[0].ids
 
     # -- endpoints ----------------------------------------------------------------------------
 
@@ -207,7 +214,7 @@ class HttpApi:
                                       req.chat_template_kwargs)
         except ChatTemplateError as exc:
             raise S.bad_request(str(exc), "messages", "chat_template_error") from None
-        ids = self._tokens(served, text)
+        ids = await self._tokens(served, text)
         if not ids:
             raise S.bad_request("the rendered chat prompt is empty", "messages")
         max_tokens = req.max_completion_tokens or req.max_tokens

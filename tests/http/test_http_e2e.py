@@ -233,6 +233,9 @@ def test_chat_completions(daemon, tmp_path):
                 api.chat.completions.create(model="chatty", messages=[{"role": "user", "content": [
                     {"type": "image_url", "image_url": {"url": "x"}}]}])
             assert info.value.body["param"] == "messages"
+            with pytest.raises(openai.BadRequestError) as info:  # tokenised off the loop: over the 512-token context
+                api.chat.completions.create(model="chatty", messages=[{"role": "user", "content": "word " * 2000}])
+            assert info.value.body["code"] == "context_length_exceeded"
 
 
 def test_chat_without_a_template_is_a_typed_400(api):
