@@ -141,10 +141,10 @@ class HttpServer:
         try:
             await self._runner.setup()
             if self.tcp is not None:
-                site = web.TCPSite(self._runner, self.tcp[0], self.tcp[1], shutdown_timeout=self.shutdown_grace_s)
+                site = web.TCPSite(self._runner, self.tcp[0], self.tcp[1])
                 await site.start()
-                for sock in site._server.sockets:  # the bound port, when 0 asked for a free one
-                    host, port = sock.getsockname()[:2]
+                for address in self._runner.addresses:  # the bound port, when 0 asked for a free one
+                    host, port = address[:2]
                     self.urls.append(f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}")
             if self.unix_path is not None:
                 with contextlib.suppress(FileNotFoundError):
@@ -152,7 +152,7 @@ class HttpServer:
                         os.unlink(self.unix_path)  # a stale socket of a previous run
                 old = os.umask(0o177)
                 try:
-                    site = web.UnixSite(self._runner, self.unix_path, shutdown_timeout=self.shutdown_grace_s)
+                    site = web.UnixSite(self._runner, self.unix_path)
                     await site.start()
                 finally:
                     os.umask(old)

@@ -40,16 +40,26 @@ DONE_EVENT = b"data: [DONE]\n\n"
 
 @dataclass(frozen=True)
 class Job:
-    """One choice to generate: its index in the answer, its prompt (text or token ids), its prompt's index."""
+    """One choice to generate: its index in the answer, its prompt (text or token ids), its prompt's index
+    and which of that prompt's ``n`` samples it is."""
 
     index: int
     prompt: S.Prompt
     prompt_index: int
+    sample: int = 0
 
 
 def jobs_of(prompts: list[S.Prompt], n: int) -> list[Job]:
     """The choices of ``prompts`` x ``n``: choice ``i * n + j`` is sample ``j`` of prompt ``i`` (OpenAI's order)."""
-    return [Job(i * n + j, prompt, i) for i, prompt in enumerate(prompts) for j in range(n)]
+    return [Job(i * n + j, prompt, i, j) for i, prompt in enumerate(prompts) for j in range(n)]
+
+
+def job_params(job: Job, params: dict) -> dict:
+    """``params`` for one job: sample ``j`` of a seeded request gets ``seed + j``, so that the ``n`` samples
+    differ from each other and the whole answer is still reproducible."""
+    if job.sample and params.get("seed") is not None:
+        return {**params, "seed": (params["seed"] + job.sample) % (P.MAX_SEED + 1)}
+    return params
 
 
 def new_id(prefix: str) -> str:
@@ -57,7 +67,7 @@ def new_id(prefix: str) -> str:
 
 
 async def _run(client: AsyncClient, job: Job, params: dict, queue: asyncio.Queue) -> None:
-    prompt = job.prompt
+    prompt, params = job.prompt, job_params(job, params)
     try:
         if isinstance(prompt, str):
             stream = client.generate(prompt, **params)

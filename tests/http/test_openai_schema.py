@@ -151,3 +151,12 @@ def test_chat_template_is_sandboxed_and_missing_is_a_typed_error(tmp_path):
     with pytest.raises(S.ApiError) as info:
         S.decode_request(b'{"messages": []}', S.ChatCompletionRequest)
     assert info.value.param == "messages"
+
+
+def test_seeded_samples_of_one_prompt_get_their_own_seeds():
+    from ringstream.daemon.http_generation import job_params, jobs_of
+    jobs = jobs_of(["a", "b"], 3)
+    assert [(j.index, j.prompt, j.sample) for j in jobs] == [
+        (0, "a", 0), (1, "a", 1), (2, "a", 2), (3, "b", 0), (4, "b", 1), (5, "b", 2)]
+    assert [job_params(j, {"seed": 7})["seed"] for j in jobs] == [7, 8, 9, 7, 8, 9]
+    assert all("seed" not in job_params(j, {"max_tokens": 2}) for j in jobs)
