@@ -1,0 +1,253 @@
+"""The OpenAI-compatible HTTP server process: aiohttp on uvloop, a client of the daemon's ZeroMQ socket.
+
+HTTP parsing and JSON encoding run in this process, never on the front's
+event loop; the endpoints are :class:`ringstream.daemon.http_app.HttpApi`'s.
+Start it with::
+
+    python -m ringstream.daemon.http_api --socket ipc:///run/ringstream/ringstream.sock \\
+        --listen 127.0.0.1:8000 [--unix PATH] [--api-key-file FILE] [--served-model-name NAME]
+
+or :func:`run_http_server` from an event loop. Loopback addresses need no
+key; any other address needs ``api_key_file``, and the server refuses to
+start without one (:class:`ConfigError`). Clients send the key as
+``Authorization: Bearer KEY`` (compared in constant time; ``/health`` needs
+none). A unix socket is created with mode 0600. Once every address is bound
+the server prints one line, ``ringstream http: serving on URL ...``, on
+stdout. SIGTERM or SIGINT (or the ``stop`` event) stops it: it stops
+listening, gives requests in flight ``shutdown_grace_s`` to finish, cancels
+the rest (their daemon requests too), closes every connection and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from ringstream.daemon.http_app import MAX_BODY_BYTES, HttpApi
+from ringstream.ipc.client import AsyncClient
+
+log = logging.getLogger("ringstream.http")
+
+DEFAULT_LISTEN = "127.0.0.1:8000"
+SHUTDOWN_GRACE_S = 5.0
+"""On stop, requests in flight get this long to finish before they are cancelled, seconds."""
+UNIX_SOCKET_MODE = 0o600
+READY_LINE = "ringstream http: serving on"
+"""The start of the line printed (and flushed) on stdout once every address is bound; the URLs follow."""
+
+__all__ = ["ConfigError", "HttpServer", "check_listen_auth", "is_loopback", "main", "parse_listen",
+           "read_api_key", "run_http_server"]
+
+
+class ConfigError(ValueError):
+    """The server cannot start as configured: a non-loopback address without a key, a bad address or key file."""
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:8000`` for IPv6; port 0 picks a free one) as ``(host, port)``; ConfigError if malformed."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"listen address {listen!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ::1); any other name or address is not."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def read_api_key(path: str | Path) -> str:
+    """The key in an API key file (surrounding whitespace dropped); ConfigError when unreadable or empty."""
+    try:
+        key = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read the API key file {path}: {exc}") from None
+    if not key:
+        raise ConfigError(f"the API key file {path} is empty")
+    return key
+
+
+def check_listen_auth(host: str | None, api_key: str | None) -> None:
+    """ConfigError unless ``host`` is loopback (None: no TCP address) or an API key is set."""
+    if host is not None and not is_loopback(host) and api_key is None:
+        raise ConfigError(f"listening on {host!r}, which is not a loopback address, needs an API key: "
+                          f"give --api-key-file (api_key_file=), or listen on 127.0.0.1")
+
+
+class HttpServer:
+    """The HTTP server over a daemon: :meth:`start` binds, :meth:`close` stops and closes everything.
+
+    Args:
+        socket_address: the daemon's ZeroMQ address (``ipc://PATH`` or ``tcp://HOST:PORT``); None: the client
+            library's default (:func:`ringstream.ipc.address.client_socket`).
+        listen: ``HOST:PORT`` to listen on, or None for none (then ``unix_path`` is needed).
+        unix_path: also (or only) listen on this unix socket, created with mode 0600.
+        api_key_file: a file holding the bearer token clients must send; required for a non-loopback ``listen``.
+        model_name: the name clients use for the model (default: the model directory's name).
+        chat_template: a Jinja chat template file used instead of the model's own.
+        max_body_bytes: largest request body, bytes (413 beyond).
+        shutdown_grace_s: seconds requests in flight get to finish on :meth:`close`.
+
+    Raises:
+        ConfigError: a malformed ``listen``, no address at all, a non-loopback address without a key, or a
+            key file that cannot be read or is empty.
+    """
+
+    def __init__(self, socket_address: str | None, listen: str | None = DEFAULT_LISTEN, *, unix_path: str | None = None,
+                 api_key_file: str | Path | None = None, model_name: str | None = None,
+                 chat_template: str | Path | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+                 shutdown_grace_s: float = SHUTDOWN_GRACE_S) -> None:
+        if listen is None and unix_path is None:
+            raise ConfigError("nothing to listen on: give a HOST:PORT or a unix socket path")
+        self.tcp = parse_listen(listen) if listen is not None else None
+        self.api_key = read_api_key(api_key_file) if api_key_file is not None else None
+        check_listen_auth(self.tcp[0] if self.tcp else None, self.api_key)
+        self.socket_address = socket_address
+        self.unix_path = unix_path
+        self.model_name = model_name
+        self.chat_template = chat_template
+        self.max_body_bytes = max_body_bytes
+        self.shutdown_grace_s = shutdown_grace_s
+        self.client: AsyncClient | None = None
+        self._runner: web.AppRunner | None = None
+        self.urls: list[str] = []
+        """What :meth:`start` bound: ``http://HOST:PORT`` and ``unix:PATH``."""
+
+    async def start(self) -> list[str]:
+        """Connect to the daemon (no wait: ``/health`` tells when it is ready) and bind; returns :attr:`urls`.
+
+        Raises OSError when an address cannot be bound (everything opened is closed again).
+        """
+        self.client = AsyncClient(self.socket_address)
+        api = HttpApi(self.client, model_name=self.model_name, api_key=self.api_key,
+                      chat_template=self.chat_template, max_body_bytes=self.max_body_bytes)
+        # handler_cancellation: a client that disconnects cancels its handler, which cancels its daemon requests
+        self._runner = web.AppRunner(api.app, handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=self.shutdown_grace_s)
+        try:
+            await self._runner.setup()
+            if self.tcp is not None:
+                site = web.TCPSite(self._runner, self.tcp[0], self.tcp[1])
+                await site.start()
+                for address in self._runner.addresses:  # the bound port, when 0 asked for a free one
+                    host, port = address[:2]
+                    self.urls.append(f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}")
+            if self.unix_path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    if Path(self.unix_path).is_socket():
+                        os.unlink(self.unix_path)  # a stale socket of a previous run
+                old = os.umask(0o177)
+                try:
+                    site = web.UnixSite(self._runner, self.unix_path)
+                    await site.start()
+                finally:
+                    os.umask(old)
+                os.chmod(self.unix_path, UNIX_SOCKET_MODE)
+                self.urls.append(f"unix:{self.unix_path}")
+        except BaseException:
+            await self.close()
+            raise
+        return self.urls
+
+    async def close(self) -> None:
+        """Stop listening, let requests in flight finish for ``shutdown_grace_s``, cancel the rest, close every
+        connection and the daemon client (which cancels its open requests on the daemon). Safe to call twice."""
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+        client, self.client = self.client, None
+        if client is not None:
+            await client.close()
+        if f"unix:{self.unix_path}" in self.urls:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.unix_path)
+
+
+async def run_http_server(socket_address: str | None, listen: str | None = DEFAULT_LISTEN, *,
+                          unix_path: str | None = None, api_key_file: str | Path | None = None,
+                          model_name: str | None = None, chat_template: str | Path | None = None,
+                          max_body_bytes: int = MAX_BODY_BYTES, shutdown_grace_s: float = SHUTDOWN_GRACE_S,
+                          stop: asyncio.Event | None = None, handle_signals: bool = True,
+                          print_ready: bool = False) -> None:
+    """Serve until ``stop`` is set (or SIGTERM / SIGINT with ``handle_signals``), then close cleanly.
+
+    Arguments as :class:`HttpServer`. ``print_ready``: print the
+    :data:`READY_LINE` with the bound URLs once listening. Raises
+    ConfigError (before binding anything) or OSError (an address in use).
+    """
+    server = HttpServer(socket_address, listen, unix_path=unix_path, api_key_file=api_key_file,
+                        model_name=model_name, chat_template=chat_template, max_body_bytes=max_body_bytes,
+                        shutdown_grace_s=shutdown_grace_s)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        urls = await server.start()
+        log.info("serving on %s (daemon %s)", " ".join(urls), server.client.address)
+        if print_ready:
+            print(READY_LINE, *urls, flush=True)
+        await stop.wait()
+        log.info("stopping")
+    finally:
+        await server.close()
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m ringstream.daemon.http_api",
+                                     description="OpenAI-compatible HTTP API over a ringstream daemon")
+    parser.add_argument("--socket", help="the daemon's address, ipc://PATH or tcp://HOST:PORT (default: the "
+                                         "client library's: $RINGSTREAM_SOCKET, the system service's, the user's)")
+    parser.add_argument("--listen", help=f"HOST:PORT (default {DEFAULT_LISTEN} unless only --unix is given; "
+                                         "a non-loopback host needs --api-key-file)")
+    parser.add_argument("--unix", metavar="PATH", help="also listen on this unix socket (mode 0600)")
+    parser.add_argument("--api-key-file", metavar="FILE", help="file holding the bearer token clients must send")
+    parser.add_argument("--served-model-name", help="the model's name in the API (default: its directory's name)")
+    parser.add_argument("--chat-template", metavar="FILE", help="Jinja chat template used instead of the model's")
+    parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="largest request body")
+    parser.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S,
+                        help="seconds requests in flight get to finish on SIGTERM")
+    parser.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line; returns the exit code (0 after a clean stop, 2 for a configuration error)."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    listen = args.listen or (None if args.unix else DEFAULT_LISTEN)
+    import uvloop
+
+    try:
+        uvloop.run(run_http_server(args.socket, listen, unix_path=args.unix, api_key_file=args.api_key_file,
+                                   model_name=args.served_model_name, chat_template=args.chat_template,
+                                   max_body_bytes=args.max_body_bytes, shutdown_grace_s=args.shutdown_grace,
+                                   print_ready=True))
+    except ConfigError as exc:
+        print(f"ringstream http: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"ringstream http: cannot listen: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
