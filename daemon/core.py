@@ -350,12 +350,14 @@ class FrontCore:
         if self.state == DaemonState.STARTING:
             self.request_stop(exit_code=1)
 
-    def on_worker_exit(self, index: int) -> bool:
-        """Worker ``index`` exited (its ring already read): resume its requests elsewhere, or end them.
+    def on_worker_exit(self, index: int, last_records: Iterable[list] = ()) -> bool:
+        """Worker ``index`` exited: apply what it published last (``last_records``, as :meth:`on_ring`
+        takes them; no new work goes to it meanwhile), then resume its requests elsewhere, or end them.
 
         Returns True when the worker should be restarted (the daemon is serving).
         """
         self.scheduler.workers[index].ready = False
+        self.on_ring(last_records)
         orphans = self.scheduler.clear_worker(index)
         # Preempted (or aborted while preempting) there, not charged any more, awaiting a confirmation that
         # will never come:

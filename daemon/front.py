@@ -304,8 +304,8 @@ class Front:
 
     def _on_worker_exit(self, worker: WorkerProcess) -> None:
         """A worker process ended (reaped): take what it published, resume its requests elsewhere, restart it."""
-        self._read_ring(worker)
-        if self.core.on_worker_exit(worker.index):
+        self.poll_connections()
+        if self.core.on_worker_exit(worker.index, worker.read_ring()):
             self.pool.restart_later(worker, lambda: self.state == DaemonState.SERVING)
 
     # ------------------------------------------------------------ timers

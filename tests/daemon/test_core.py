@@ -237,6 +237,18 @@ def test_a_worker_death_resumes_its_requests_on_another_worker():
     assert req.status == RequestStatus.RUNNING and req.worker_failures == 1
 
 
+def test_what_a_dead_worker_published_last_is_streamed_and_no_new_work_goes_to_it():
+    core, ports = make_core(max_concurrency=1)
+    worker_ready(core, max_num_seqs=1)
+    done = submit(core, "done")
+    waiting = submit(core, "waiting")
+    ports.take_commands()
+    assert core.on_worker_exit(0, [tokens(done, 4), [finish(done)]]) is True
+    assert ports.to_client()[-1].finish_reason == P.FinishReason.LENGTH  # its last record was not lost
+    assert not assigns(ports.take_commands())  # the slot it freed is not on the dead worker
+    assert waiting.status == RequestStatus.WAITING and waiting.worker_failures == 0
+
+
 def test_a_request_whose_workers_keep_dying_ends_with_worker_failed():
     core, ports = make_core()
     worker_ready(core)
