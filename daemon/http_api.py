@@ -5,7 +5,8 @@ event loop; the endpoints are :class:`ringstream.daemon.http_app.HttpApi`'s.
 Start it with::
 
     python -m ringstream.daemon.http_api --socket ipc:///run/ringstream/ringstream.sock \\
-        --listen 127.0.0.1:8000 [--unix PATH] [--api-key-file FILE] [--served-model-name NAME]
+        --listen 127.0.0.1:8000 [--unix PATH] [--api-key-file FILE] [--served-model-name NAME] \\
+        [--max-connections N] [--keepalive-timeout S] [--body-timeout S] [--write-timeout S]
 
 or :func:`run_http_server` from an event loop. Loopback addresses need no
 key; any other address needs ``api_key_file``, and the server refuses to
@@ -16,6 +17,8 @@ the server prints one line, ``ringstream http: serving on URL ...``, on
 stdout. SIGTERM or SIGINT (or the ``stop`` event) stops it: it stops
 listening, gives requests in flight ``shutdown_grace_s`` to finish, cancels
 the rest (their daemon requests too), closes every connection and exits 0.
+Slow, idle and stuck clients are bounded by :class:`~ringstream.daemon.http_limits.HttpLimits`
+(timeouts, a connection cap, header sizes; see :mod:`ringstream.daemon.http_limits`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ from pathlib import Path
 from aiohttp import web
 
 from ringstream.daemon.http_app import MAX_BODY_BYTES, HttpApi
+from ringstream.daemon.http_limits import (
+    BODY_TIMEOUT_S, KEEPALIVE_TIMEOUT_S, MAX_CONNECTIONS, WRITE_TIMEOUT_S, ConfigError, ConnectionCap, HttpLimits,
+    fit_open_files,
+)
 from ringstream.ipc.client import AsyncClient
 
 log = logging.getLogger("ringstream.http")
@@ -44,12 +51,8 @@ UNIX_SOCKET_MODE = 0o600
 READY_LINE = "ringstream http: serving on"
 """The start of the line printed (and flushed) on stdout once every address is bound; the URLs follow."""
 
-__all__ = ["ConfigError", "HttpServer", "check_listen_auth", "is_loopback", "main", "parse_listen",
+__all__ = ["ConfigError", "HttpLimits", "HttpServer", "check_listen_auth", "is_loopback", "main", "parse_listen",
            "read_api_key", "run_http_server"]
-
-
-class ConfigError(ValueError):
-    """The server cannot start as configured: a non-loopback address without a key, a bad address or key file."""
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
@@ -101,6 +104,7 @@ class HttpServer:
         chat_template: a Jinja chat template file used instead of the model's own.
         max_body_bytes: largest request body, bytes (413 beyond).
         shutdown_grace_s: seconds requests in flight get to finish on :meth:`close`.
+        limits: timeouts and the connection cap (:class:`HttpLimits`; its defaults when None).
 
     Raises:
         ConfigError: a malformed ``listen``, no address at all, a non-loopback address without a key, or a
@@ -110,7 +114,7 @@ class HttpServer:
     def __init__(self, socket_address: str | None, listen: str | None = DEFAULT_LISTEN, *, unix_path: str | None = None,
                  api_key_file: str | Path | None = None, model_name: str | None = None,
                  chat_template: str | Path | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-                 shutdown_grace_s: float = SHUTDOWN_GRACE_S) -> None:
+                 shutdown_grace_s: float = SHUTDOWN_GRACE_S, limits: HttpLimits | None = None) -> None:
         if listen is None and unix_path is None:
             raise ConfigError("nothing to listen on: give a HOST:PORT or a unix socket path")
         self.tcp = parse_listen(listen) if listen is not None else None
@@ -122,6 +126,10 @@ class HttpServer:
         self.chat_template = chat_template
         self.max_body_bytes = max_body_bytes
         self.shutdown_grace_s = shutdown_grace_s
+        self.limits = limits or HttpLimits()
+        self.cap: ConnectionCap | None = None
+        """The connection cap in force once started (lower than ``limits.max_connections`` where the
+        open-file limit allows fewer)."""
         self.client: AsyncClient | None = None
         self._runner: web.AppRunner | None = None
         self.urls: list[str] = []
@@ -134,12 +142,16 @@ class HttpServer:
         """
         self.client = AsyncClient(self.socket_address)
         api = HttpApi(self.client, model_name=self.model_name, api_key=self.api_key,
-                      chat_template=self.chat_template, max_body_bytes=self.max_body_bytes)
+                      chat_template=self.chat_template, max_body_bytes=self.max_body_bytes,
+                      body_timeout_s=self.limits.body_timeout_s, write_timeout_s=self.limits.write_timeout_s)
         # handler_cancellation: a client that disconnects cancels its handler, which cancels its daemon requests
+        # (also a non-streaming one: aiohttp >= 3.9 cancels handlers on disconnect only when asked to)
         self._runner = web.AppRunner(api.app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=self.shutdown_grace_s)
+                                     shutdown_timeout=self.shutdown_grace_s, **self.limits.handler_args())
         try:
+            self.cap = ConnectionCap(fit_open_files(self.limits.max_connections))
             await self._runner.setup()
+            self.cap.install(self._runner.server)
             if self.tcp is not None:
                 site = web.TCPSite(self._runner, self.tcp[0], self.tcp[1])
                 await site.start()
@@ -181,7 +193,7 @@ async def run_http_server(socket_address: str | None, listen: str | None = DEFAU
                           unix_path: str | None = None, api_key_file: str | Path | None = None,
                           model_name: str | None = None, chat_template: str | Path | None = None,
                           max_body_bytes: int = MAX_BODY_BYTES, shutdown_grace_s: float = SHUTDOWN_GRACE_S,
-                          stop: asyncio.Event | None = None, handle_signals: bool = True,
+                          limits: HttpLimits | None = None, stop: asyncio.Event | None = None, handle_signals: bool = True,
                           print_ready: bool = False) -> None:
     """Serve until ``stop`` is set (or SIGTERM / SIGINT with ``handle_signals``), then close cleanly.
 
@@ -191,7 +203,7 @@ async def run_http_server(socket_address: str | None, listen: str | None = DEFAU
     """
     server = HttpServer(socket_address, listen, unix_path=unix_path, api_key_file=api_key_file,
                         model_name=model_name, chat_template=chat_template, max_body_bytes=max_body_bytes,
-                        shutdown_grace_s=shutdown_grace_s)
+                        shutdown_grace_s=shutdown_grace_s, limits=limits)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     signals = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
@@ -224,6 +236,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="largest request body")
     parser.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S,
                         help="seconds requests in flight get to finish on SIGTERM")
+    parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
+                        help=f"most connections open at once; more get 503 and are closed (default {MAX_CONNECTIONS})")
+    parser.add_argument("--keepalive-timeout", type=float, default=KEEPALIVE_TIMEOUT_S,
+                        help="seconds an idle connection, or one whose request headers are not complete, stays "
+                             f"open (default {KEEPALIVE_TIMEOUT_S:g})")
+    parser.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S,
+                        help=f"seconds a request body may take to arrive; 408 beyond (default {BODY_TIMEOUT_S:g})")
+    parser.add_argument("--write-timeout", type=float, default=WRITE_TIMEOUT_S,
+                        help="seconds a client may leave an answer unread before its connection is aborted and "
+                             f"its requests cancelled (default {WRITE_TIMEOUT_S:g})")
     parser.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -236,10 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     import uvloop
 
     try:
+        limits = HttpLimits(keepalive_timeout_s=args.keepalive_timeout, body_timeout_s=args.body_timeout,
+                            write_timeout_s=args.write_timeout, max_connections=args.max_connections)
         uvloop.run(run_http_server(args.socket, listen, unix_path=args.unix, api_key_file=args.api_key_file,
                                    model_name=args.served_model_name, chat_template=args.chat_template,
                                    max_body_bytes=args.max_body_bytes, shutdown_grace_s=args.shutdown_grace,
-                                   print_ready=True))
+                                   limits=limits, print_ready=True))
     except ConfigError as exc:
         print(f"ringstream http: {exc}", file=sys.stderr)
         return 2

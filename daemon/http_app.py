@@ -22,6 +22,7 @@ from aiohttp import web
 from ringstream.daemon import http_generation as G
 from ringstream.daemon import openai_schema as S
 from ringstream.daemon.chat_template import ChatTemplate, ChatTemplateError, render_chat_prompt
+from ringstream.daemon.http_limits import BODY_TIMEOUT_S, WRITE_TIMEOUT_S
 from ringstream.ipc.client import AsyncClient
 from ringstream.ipc.errors import RingstreamError
 
@@ -33,6 +34,8 @@ STATUS_TIMEOUT_S = 2.0
 """How long ``/health`` and the model lookup wait for the daemon's status, seconds."""
 LONG_PROMPT_CHARS = 8192
 """A rendered chat prompt this long or longer is tokenised on a thread, off the event loop."""
+CLOSING_STATUSES = frozenset({408, 413})
+"""Errors answered before the body was read whole: the connection is closed after them."""
 
 
 def authorized(header: str | None, api_key: str) -> bool:
@@ -64,11 +67,17 @@ class HttpApi:
         api_key: required bearer token, or None.
         chat_template: a template file overriding the model's own.
         max_body_bytes: largest request body, bytes (413 beyond).
+        body_timeout_s: most time a body may take to arrive, seconds (408 beyond).
+        write_timeout_s: most time a write may wait for a client that does not read, seconds; then the
+            connection is aborted and its daemon requests cancelled.
     """
 
     def __init__(self, client: AsyncClient, *, model_name: str | None = None, api_key: str | None = None,
-                 chat_template: str | Path | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+                 chat_template: str | Path | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+                 body_timeout_s: float = BODY_TIMEOUT_S, write_timeout_s: float = WRITE_TIMEOUT_S) -> None:
         self.client = client
+        self.body_timeout_s = body_timeout_s
+        self.write_timeout_s = write_timeout_s
         self.model_name = model_name
         self.api_key = api_key
         self.chat_template_path = chat_template
@@ -90,13 +99,12 @@ class HttpApi:
         try:
             return await handler(request)
         except S.ApiError as exc:
-            return web.json_response(exc.body(), status=exc.status, headers=exc.headers())
+            return _error(exc)
         except web.HTTPException as exc:  # aiohttp's own: 404 no route, 405, 413 body too large
             if exc.status < 400:
                 raise
             kind = "invalid_request_error" if exc.status < 500 else "server_error"
-            err = S.ApiError(exc.status, exc.text or exc.reason, kind)
-            return web.json_response(err.body(), status=exc.status)
+            return _error(S.ApiError(exc.status, exc.text or exc.reason, kind))
         except (asyncio.CancelledError, ConnectionError):
             raise
         except Exception:
@@ -185,8 +193,18 @@ class HttpApi:
         served = await self._check_model(request.match_info["name"])
         return _json(self._card(served))
 
+    async def _body(self, request: web.Request) -> bytes:
+        """The whole request body; ApiError 408 when it takes over ``body_timeout_s`` (413 from aiohttp when
+        it exceeds ``max_body_bytes``)."""
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                return await request.read()
+        except TimeoutError:
+            raise S.ApiError(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
+                             "invalid_request_error", None, "body_timeout") from None
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = S.decode_request(await request.read(), S.CompletionRequest)
+        req = S.decode_request(await self._body(request), S.CompletionRequest)
         prompts = S.completion_prompts(req)
         served = await self._check_model(req.model)
         jobs = G.jobs_of(prompts, req.n or 1)
@@ -199,13 +217,14 @@ class HttpApi:
         if req.stream:
             usage = (lambda u: S.CompletionBody(rid, created, served.name, [], usage=u)) \
                 if req.stream_options is not None and req.stream_options.include_usage else None
-            return await G.stream_sse(request, self.client, jobs, params, event, usage)
+            return await G.stream_sse(request, self.client, jobs, params, event, usage, self.write_timeout_s)
         got = await G.gather(self.client, jobs, params)
         choices = [S.CompletionChoice(i, got.text(i), got.finish.get(i)) for i in range(len(jobs))]
-        return _json(S.CompletionBody(rid, created, served.name, choices, usage=got.usage()))
+        return await G.send_json(request, S.CompletionBody(rid, created, served.name, choices, usage=got.usage()),
+                                 self.write_timeout_s)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        req = S.decode_request(await request.read(), S.ChatCompletionRequest)
+        req = S.decode_request(await self._body(request), S.ChatCompletionRequest)
         served = await self._check_model(req.model)
         if served.chat_template is None and served.template_error is not None:
             raise S.bad_request(served.template_error, "messages", "chat_template_error")
@@ -234,14 +253,22 @@ class HttpApi:
         if req.stream:
             usage = (lambda u: S.ChatChunkBody(rid, created, served.name, [], usage=u)) \
                 if req.stream_options is not None and req.stream_options.include_usage else None
-            return await G.stream_sse(request, self.client, jobs, params, event, usage)
+            return await G.stream_sse(request, self.client, jobs, params, event, usage, self.write_timeout_s)
         got = await G.gather(self.client, jobs, params)
         choices = [S.ChatChoice(i, S.AssistantMessage(got.text(i)), got.finish.get(i)) for i in range(len(jobs))]
-        return _json(S.ChatCompletionBody(rid, created, served.name, choices, got.usage()))
+        return await G.send_json(request, S.ChatCompletionBody(rid, created, served.name, choices, got.usage()),
+                                 self.write_timeout_s)
 
 
 def _json(body) -> web.Response:
     return web.Response(body=S.JSON_ENCODER.encode(body), content_type="application/json")
+
+
+def _error(exc: S.ApiError) -> web.Response:
+    response = web.json_response(exc.body(), status=exc.status, headers=exc.headers())
+    if exc.status in CLOSING_STATUSES:
+        response.force_close()
+    return response
 
 
 def _messages(req: S.ChatCompletionRequest) -> list[dict]:

@@ -13,6 +13,12 @@ writes server-sent events: one ``data: {json}`` event per piece of text, an
 error after the stream began as a last ``data: {"error": ...}`` event, then
 ``data: [DONE]``. An error before the first piece of text is raised as
 :class:`ApiError` instead, so that the client gets a proper HTTP status.
+
+Every write of an answer (:func:`stream_sse`, :func:`send_json`) has a
+deadline: a client that leaves it unread (its TCP receive window full) for
+``write_timeout_s`` has its connection aborted and its daemon requests
+cancelled, so a stuck reader holds neither a daemon slot nor a growing
+buffer for long; the other streams are not slowed by it.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import AsyncIterator, Callable
 from aiohttp import web
 
 from ringstream.daemon import openai_schema as S
+from ringstream.daemon.http_limits import WRITE_TIMEOUT_S
 from ringstream.ipc import protocol as P
 from ringstream.ipc.client import AsyncClient
 from ringstream.ipc.errors import RingstreamError
@@ -80,6 +87,47 @@ async def _run(client: AsyncClient, job: Job, params: dict, queue: asyncio.Queue
     except Exception as exc:  # a bug of ours: the client gets a 500, the log the trace
         log.exception("choice %d failed", job.index)
         queue.put_nowait((job, exc))
+
+
+class ClientStuck(ConnectionError):
+    """A client left an answer unread past the write deadline; its connection was aborted."""
+
+
+async def write_within(request: web.Request, response: web.StreamResponse, data: bytes, timeout_s: float) -> None:
+    """``response.write(data)`` (it waits for the socket to drain past about 64 KiB buffered).
+
+    Raises ClientStuck, after aborting the connection, when the client has
+    not taken the data within ``timeout_s`` seconds.
+    """
+    try:
+        async with asyncio.timeout(timeout_s):
+            await response.write(data)
+    except TimeoutError:
+        _abort(request, timeout_s)
+        raise ClientStuck(f"the client read nothing for {timeout_s:g} s") from None
+
+
+def _abort(request: web.Request, timeout_s: float) -> None:
+    log.warning("%s %s: the client read nothing for %g s; connection aborted", request.method, request.path,
+                timeout_s)
+    transport = request.transport
+    if transport is not None:
+        transport.abort()
+
+
+async def send_json(request: web.Request, body, timeout_s: float) -> web.Response:
+    """Send ``body`` (a Struct) as the whole JSON answer within ``timeout_s`` seconds; returns the sent
+    response. A client that does not take it in time has its connection aborted (no exception)."""
+    response = web.Response(body=S.JSON_ENCODER.encode(body), content_type="application/json")
+    try:
+        async with asyncio.timeout(timeout_s):
+            await response.prepare(request)
+            await response.write_eof()
+    except TimeoutError:
+        _abort(request, timeout_s)
+    except ConnectionError:  # gone meanwhile: aiohttp cancels the handler
+        pass
+    return response
 
 
 async def merged(client: AsyncClient, jobs: list[Job], params: dict
@@ -140,10 +188,11 @@ class Choices:
 async def gather(client: AsyncClient, jobs: list[Job], params: dict) -> Choices:
     """Run every job to its end; raises ApiError for the first that failed (the others are cancelled)."""
     choices = Choices(len(jobs))
-    async for job, item in merged(client, jobs, params):
-        if isinstance(item, Exception):
-            raise as_api_error(item)
-        choices.add(job, item)
+    async with contextlib.aclosing(merged(client, jobs, params)) as items:
+        async for job, item in items:
+            if isinstance(item, Exception):
+                raise as_api_error(item)
+            choices.add(job, item)
     return choices
 
 
@@ -153,43 +202,57 @@ UsageMaker = Callable[[S.UsageBody], "S.CompletionBody | S.ChatChunkBody"]
 
 
 async def stream_sse(request: web.Request, client: AsyncClient, jobs: list[Job], params: dict,
-                     make_event: EventMaker, make_usage: UsageMaker | None) -> web.StreamResponse:
+                     make_event: EventMaker, make_usage: UsageMaker | None,
+                     write_timeout_s: float = WRITE_TIMEOUT_S) -> web.StreamResponse:
     """Answer with server-sent events of the jobs' text as it arrives.
 
     ``make_usage`` (``stream_options.include_usage``) adds a last event with
     empty ``choices`` and the whole request's usage. Raises ApiError when
-    the first job to answer failed before any text was sent.
+    the first job to answer failed before any text was sent. A client that
+    leaves a write unread for ``write_timeout_s`` seconds has its connection
+    aborted and the jobs cancelled (the response is returned, unfinished).
     """
     response: web.StreamResponse | None = None
     choices = Choices(len(jobs))
     started: set[int] = set()
     encode = S.JSON_ENCODER.encode
-    async for job, item in merged(client, jobs, params):
-        if isinstance(item, Exception):
-            error = as_api_error(item)
-            if response is None:
-                raise error
-            await response.write(b"data: " + encode(error.body()) + b"\n\n")
-            break
-        choices.add(job, item)
-        finish = S.finish_reason(item.finish_reason)
-        if not item.text and finish is None:
-            continue
+
+    async def send(data: bytes) -> None:
+        nonlocal response
         if response is None:
             response = web.StreamResponse(headers=SSE_HEADERS)
             await response.prepare(request)
-        first = job.index not in started
-        started.add(job.index)
-        await response.write(b"data: " + encode(make_event(job, item.text, finish, first)) + b"\n\n")
-    else:
-        if response is None:
-            response = web.StreamResponse(headers=SSE_HEADERS)
-            await response.prepare(request)
-        if make_usage is not None:
-            await response.write(b"data: " + encode(make_usage(choices.usage())) + b"\n\n")
-    await response.write(DONE_EVENT)
-    with contextlib.suppress(ConnectionError):
-        await response.write_eof()
+        await write_within(request, response, data, write_timeout_s)
+
+    try:
+        async with contextlib.aclosing(merged(client, jobs, params)) as items:
+            async for job, item in items:
+                if isinstance(item, Exception):
+                    error = as_api_error(item)
+                    if response is None:
+                        raise error
+                    await send(b"data: " + encode(error.body()) + b"\n\n")
+                    break
+                choices.add(job, item)
+                finish = S.finish_reason(item.finish_reason)
+                if not item.text and finish is None:
+                    continue
+                first = job.index not in started
+                started.add(job.index)
+                await send(b"data: " + encode(make_event(job, item.text, finish, first)) + b"\n\n")
+            else:
+                if make_usage is not None:
+                    await send(b"data: " + encode(make_usage(choices.usage())) + b"\n\n")
+        await send(DONE_EVENT)
+    except ClientStuck:
+        return response
+    try:
+        async with asyncio.timeout(write_timeout_s):
+            await response.write_eof()
+    except TimeoutError:
+        _abort(request, write_timeout_s)
+    except ConnectionError:
+        pass
     return response
 
 

@@ -32,7 +32,10 @@ from ringstream.ipc.errors import (
 )
 
 MAX_CHOICES = 128
-"""Most choices one request may ask for (prompts x ``n``): each is a request to the daemon."""
+"""Most choices one request may ask for (prompts x ``n``, so also the most of each): each is a request to
+the daemon."""
+MAX_MESSAGES = 4096
+"""Most messages of one chat request (the template renders on the event loop)."""
 RETRY_AFTER_S = 1
 """``Retry-After`` of a 503 answer, seconds."""
 
@@ -162,7 +165,7 @@ class ChatMessage(Struct, forbid_unknown_fields=False):
 class ChatCompletionRequest(_Sampling, kw_only=True):
     """``POST /v1/chat/completions``."""
 
-    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=MAX_MESSAGES)]
     max_tokens: Annotated[int, Meta(ge=1, le=P.MAX_TOKENS_LIMIT)] | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1, le=P.MAX_TOKENS_LIMIT)] | None = None
     add_generation_prompt: bool = True
@@ -178,7 +181,8 @@ _MISSING = re.compile(r"missing required field `([A-Za-z_]+)`")
 
 
 def decode_request(body: bytes, kind: type[_Sampling]) -> _Sampling:
-    """Decode a JSON request body into ``kind``; ApiError 400 naming the parameter at fault."""
+    """Decode a JSON request body into ``kind``; ApiError 400 naming the parameter at fault (also for JSON
+    nested deeper than the interpreter's recursion limit, which msgspec's decoder enforces)."""
     try:
         request = msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
@@ -187,6 +191,8 @@ def decode_request(body: bytes, kind: type[_Sampling]) -> _Sampling:
         raise bad_request(f"invalid request: {text}", match.group(1) if match else None) from None
     except msgspec.DecodeError as exc:
         raise bad_request(f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad_request("the body's JSON is nested too deeply") from None
     _refuse_unsupported(request)
     return request
 
@@ -238,8 +244,10 @@ def completion_prompts(req: CompletionRequest) -> list[Prompt]:
                           "of token ids, not a mix", "prompt")
     if any(isinstance(p, list) and not p for p in prompts):
         raise bad_request("a token id prompt must not be empty", "prompt")
-    if len(prompts) * (req.n or 1) > MAX_CHOICES:
-        raise bad_request(f"{len(prompts)} prompts x n={req.n} choices; at most {MAX_CHOICES}", "n")
+    n = req.n or 1
+    if len(prompts) * n > MAX_CHOICES:
+        raise bad_request(f"{len(prompts)} prompts x n={n} = {len(prompts) * n} choices; at most {MAX_CHOICES}",
+                          "n" if n > 1 else "prompt")
     return prompts
 
 

@@ -1,9 +1,10 @@
-"""Start and stop real HTTP API server processes for tests, leaving nothing behind."""
+"""Start and stop real HTTP API server processes for tests, leaving nothing behind; raw HTTP exchanges with them."""
 
 from __future__ import annotations
 
 import contextlib
 import selectors
+import socket
 import subprocess
 import sys
 import time
@@ -67,3 +68,56 @@ def running_http(socket_address: str, *args: str, listen: str = "127.0.0.1:0"):
         proc.stderr.close()
     if clean:
         assert code == 0, f"the HTTP server exited with {code}:\n{err}"
+
+
+def host_port(url: str) -> tuple[str, int]:
+    """``("127.0.0.1", 8000)`` of ``http://127.0.0.1:8000``."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return host, int(port)
+
+
+def post_bytes(path: str, body: bytes, *headers: str) -> bytes:
+    """A whole ``POST`` request with ``Connection: close`` and ``Content-Length``, as bytes."""
+    lines = [f"POST {path} HTTP/1.1", "Host: test", "Content-Type: application/json", "Connection: close",
+             f"Content-Length: {len(body)}", *headers]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def exchange(url: str, data: bytes, timeout_s: float = 10.0) -> tuple[int, bytes]:
+    """Send ``data`` on a fresh connection and read until the server closes it: (status, the whole answer).
+
+    Status 0: the server closed (or reset) the connection without answering.
+    """
+    with socket.create_connection(host_port(url), timeout=timeout_s) as sock:
+        sock.sendall(data)
+        answer = read_until_closed(sock, timeout_s)
+    return status_of(answer), answer
+
+
+def read_until_closed(sock: socket.socket, timeout_s: float) -> bytes:
+    """Everything ``sock`` receives until EOF or a reset; TimeoutError if it stays open past ``timeout_s``."""
+    chunks = []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        except socket.timeout:
+            raise TimeoutError(f"the server kept the connection open past {timeout_s} s") from None
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def status_of(answer: bytes) -> int:
+    """The status code of a raw HTTP answer, 0 for none."""
+    if not answer.startswith(b"HTTP/1."):
+        return 0
+    return int(answer.split(b" ", 2)[1])
+
+
+def body_of(answer: bytes) -> bytes:
+    return answer.partition(b"\r\n\r\n")[2]
