@@ -1,7 +1,8 @@
 """The OpenAI-compatible API's aiohttp application: endpoints, errors and authentication over one daemon client.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``GET /v1/models`` (and ``/v1/models/{name}``), ``GET /health``. Requests
+``GET /v1/models`` (and ``/v1/models/{name}``), ``GET /health``, ``GET /metrics``
+(the daemon's Prometheus exposition, fetched over its socket per scrape). Requests
 reach the daemon through one shared :class:`~ringstream.ipc.client.AsyncClient`,
 so they are scheduled like any other client's (``priority`` is an extension
 field). Every error is answered with OpenAI's error body. The server process
@@ -23,7 +24,7 @@ from ringstream.daemon import http_generation as G
 from ringstream.daemon import openai_schema as S
 from ringstream.daemon.chat_template import ChatTemplate, ChatTemplateError, render_chat_prompt
 from ringstream.ipc.client import AsyncClient
-from ringstream.ipc.errors import RingstreamError
+from ringstream.ipc.errors import InvalidRequest, RingstreamError
 
 log = logging.getLogger("ringstream.http")
 
@@ -31,6 +32,10 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 """Largest request body, bytes; a larger one gets 413."""
 STATUS_TIMEOUT_S = 2.0
 """How long ``/health`` and the model lookup wait for the daemon's status, seconds."""
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+"""Prometheus' text exposition format."""
+OPEN_PATHS = ("/health", "/metrics")
+"""Paths served without the API key (health checkers and scrapers)."""
 LONG_PROMPT_CHARS = 8192
 """A rendered chat prompt this long or longer is tokenised on a thread, off the event loop."""
 
@@ -81,6 +86,7 @@ class HttpApi:
             web.get("/v1/models", self.models),
             web.get("/v1/models/{name:.+}", self.model),
             web.get("/health", self.health),
+            web.get("/metrics", self.metrics),
         ])
 
     # -- middlewares ------------------------------------------------------------------------
@@ -106,7 +112,7 @@ class HttpApi:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if self.api_key is not None and request.path != "/health" \
+        if self.api_key is not None and request.path not in OPEN_PATHS \
                 and not authorized(request.headers.get("Authorization"), self.api_key):
             raise S.ApiError(401, "a valid API key is required: Authorization: Bearer <key>",
                              "authentication_error", None, "invalid_api_key")
@@ -173,6 +179,18 @@ class HttpApi:
         body = {"status": state, "workers_alive": live}
         return web.json_response(body, status=200 if ok else 503,
                                  headers=None if ok else {"Retry-After": str(S.RETRY_AFTER_S)})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """The daemon's Prometheus exposition; 503 while the daemon cannot be asked, 501 from one too old."""
+        try:
+            text = await asyncio.wait_for(self.client.metrics(), STATUS_TIMEOUT_S)
+        except InvalidRequest:
+            raise S.ApiError(501, "the inference daemon does not serve metrics (it is older than this server)",
+                             "server_error") from None
+        except (RingstreamError, TimeoutError) as exc:
+            raise S.unavailable(f"the inference daemon is unavailable: {exc or 'no answer'}",
+                                "daemon_unavailable") from None
+        return web.Response(body=text.encode(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     def _card(self, served: ServedModel) -> S.ModelCard:
         return S.ModelCard(id=served.name, created=G.now_s(), root=served.path, max_model_len=served.max_model_len)

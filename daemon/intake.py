@@ -105,6 +105,8 @@ class Intake:
                 self.reply(identity, self.status([]))
             case P.Admin(settings=settings):
                 self._on_admin(identity, settings)
+            case P.Metrics():
+                self.reply(identity, P.MetricsReply(text=self.core.metrics.exposition()))
 
     def _on_generate(self, identity: bytes, msg: P.Generate, now: float, connection: int | None) -> None:
         core = self.core

@@ -244,6 +244,11 @@ class AsyncClient(ClientBase):
         """The daemon's live figures. Raises DaemonUnavailable if it does not answer."""
         return await self._call(P.Status())
 
+    async def metrics(self) -> str:
+        """The daemon's Prometheus exposition (text format). Raises DaemonUnavailable, or InvalidRequest from a
+        daemon too old to serve it."""
+        return (await self._call(P.Metrics())).text
+
     async def admin(self, **settings) -> P.StatusReply:
         """Change live settings (``max_concurrency=8``...); returns the status with the values in force.
 
@@ -251,7 +256,7 @@ class AsyncClient(ClientBase):
         """
         return await self._call(P.Admin(settings=settings))
 
-    async def _call(self, msg: P.Status | P.Admin) -> P.StatusReply:
+    async def _call(self, msg: P.Status | P.Admin | P.Metrics):
         waiter = asyncio.get_running_loop().create_future()
         self._open_call(msg, waiter)
         try:
@@ -334,7 +339,11 @@ class Client(ClientBase):
         """
         return self._call(P.Admin(settings=settings))
 
-    def _call(self, msg: P.Status | P.Admin) -> P.StatusReply:
+    def metrics(self) -> str:
+        """The daemon's Prometheus exposition; errors as :meth:`AsyncClient.metrics`."""
+        return self._call(P.Metrics()).text
+
+    def _call(self, msg: P.Status | P.Admin | P.Metrics):
         waiter = _Reply()
         self._open_call(msg, waiter)
         try:

@@ -266,7 +266,7 @@ class ClientBase:
         if not stream.done:
             self._send(P.Cancel(id=stream.id))
 
-    def _open_call(self, msg: P.Status | P.Admin, waiter) -> None:
+    def _open_call(self, msg: P.Status | P.Admin | P.Metrics, waiter) -> None:
         """Queue ``waiter`` for the answer to ``msg`` and send it; DaemonUnavailable if it cannot be sent."""
         now = self._before_request()
         self._waiters.append(waiter)
@@ -313,7 +313,7 @@ class ClientBase:
         match msg:
             case P.Chunk(id=rid) | P.Error(id=rid) if rid in self._streams:
                 self._streams[rid].put(msg)
-            case P.StatusReply():
+            case P.StatusReply() | P.MetricsReply():
                 waiter = self._next_waiter()
                 if waiter is not None:
                     waiter.set_result(msg)

@@ -136,7 +136,15 @@ class Admin(Struct, tag="admin", **WIRE):
     settings: Annotated[dict[Annotated[str, Meta(max_length=64)], AdminValue], Meta(max_length=MAX_ADMIN_SETTINGS)]
 
 
-ClientMessage = Union[Generate, Cancel, Heartbeat, Status, Admin]
+class Metrics(Struct, tag="metrics", **WIRE):
+    """Ask for the daemon's Prometheus exposition (text format 0.0.4); answered by :class:`MetricsReply`.
+
+    Accepted on every socket (it changes nothing). A daemon older than this
+    message answers ``Error(id=None, code=INVALID_REQUEST)``.
+    """
+
+
+ClientMessage = Union[Generate, Cancel, Heartbeat, Status, Admin, Metrics]
 
 
 # --------------------------------------------------------------------------
@@ -277,7 +285,13 @@ class StatusReply(Struct, tag="status_reply", **WIRE):
     """The oldest open requests, oldest first: at most ``MAX_STATUS_REQUESTS`` of ``requests_open``."""
 
 
-ServerMessage = Union[Chunk, Error, HeartbeatAck, StatusReply]
+class MetricsReply(Struct, tag="metrics_reply", **WIRE):
+    """Answer to :class:`Metrics`: every metric of the daemon in Prometheus' text exposition format."""
+
+    text: str
+
+
+ServerMessage = Union[Chunk, Error, HeartbeatAck, StatusReply, MetricsReply]
 
 
 # --------------------------------------------------------------------------
