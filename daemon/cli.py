@@ -76,8 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", formatter_class=defaults, help="stream one generation to stdout")
     _add_address(gen)
-    gen.add_argument("prompt", help=f"the prompt text; {STDIN_PROMPT} reads it from standard input "
+    gen.add_argument("prompt", nargs="?", help=f"the prompt text; {STDIN_PROMPT} reads it from standard input "
                      "(one trailing newline removed)")
+    gen.add_argument("--chat", metavar="TEXT", help="instead of a prompt: a user message, rendered by the daemon "
+                     f"with the model's chat template ({STDIN_PROMPT}: standard input)")
+    gen.add_argument("--system", metavar="TEXT", help="with --chat: a system message before it")
     gen.add_argument("--max-tokens", type=int, default=GENERATE_DEFAULTS["max_tokens"],
                      help="tokens to generate at most")
     gen.add_argument("--temperature", type=float, default=GENERATE_DEFAULTS["temperature"], help="0 = greedy")
@@ -211,7 +214,16 @@ def _generate(args: argparse.Namespace) -> int:
                   ignore_eos=args.ignore_eos, timeout_s=args.timeout, queue_timeout_s=args.queue_timeout)
     wrote = False
     try:
-        prompt = _read_prompt(args.prompt)
+        prompt = None
+        if (args.prompt is None) == (args.chat is None):
+            raise ValueError("give a prompt or --chat TEXT (one of them)")
+        if args.system is not None and args.chat is None:
+            raise ValueError("--system needs --chat")
+        if args.chat is not None:
+            params["messages"] = [*([{"role": "system", "content": args.system}] if args.system is not None else []),
+                                  {"role": "user", "content": _read_prompt(args.chat)}]
+        else:
+            prompt = _read_prompt(args.prompt)
         with _client(args) as client:
             for chunk in client.generate(prompt, **params):
                 if args.json:

@@ -223,7 +223,9 @@ class AsyncClient(ClientBase):
         ``temperature`` (1.0; 0 is greedy), ``top_p`` (1.0), ``top_k`` (0:
         off), ``seed``, ``stop`` (a string or a list of strings),
         ``stop_token_ids``, ``ignore_eos``, ``priority`` (0; lower is served
-        first), ``queue_timeout_s`` and ``timeout_s`` (seconds), ``stream``.
+        first), ``queue_timeout_s`` and ``timeout_s`` (seconds), ``stream``;
+        ``messages`` instead of a prompt: a chat (``[{"role": "user",
+        "content": "..."}]``) the daemon renders with the model's chat template.
         Raises a :class:`ServerError` subclass for an error reply,
         :class:`StreamOrderError`, :class:`DaemonUnavailable`, or TypeError
         for an unknown parameter.

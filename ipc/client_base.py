@@ -117,7 +117,12 @@ def _connect(address: str, identity: bytes | None, curve_server_key: bytes | Non
 
 
 def _request_params(params: dict) -> dict:
-    """``params`` with ``stop`` as the wire's list: one string becomes a list of it, ``None`` none."""
+    """``params`` with ``stop`` as the wire's list: one string becomes a list of it, ``None`` none; ``messages``
+    (``{"role", "content"[, "name"]}`` dicts) as :class:`ringstream.ipc.protocol.ChatMessage` (TypeError for
+    another key)."""
+    messages = params.get("messages")
+    if messages is not None:
+        params = {**params, "messages": [m if isinstance(m, P.ChatMessage) else P.ChatMessage(**m) for m in messages]}
     stop = params.get("stop")
     if isinstance(stop, str):
         return {**params, "stop": [stop]}
