@@ -58,6 +58,8 @@ class ServedModel:
     chat_template: ChatTemplate | None
     template_error: str | None = None
     """Why the chat template could not be loaded (it then stays None)."""
+    daemon_renders_chat: bool = False
+    """The daemon takes ``messages`` and renders them with the model's template itself."""
 
 
 class HttpApi:
@@ -139,7 +141,7 @@ class HttpApi:
             error = str(exc)
             log.warning("chat template: %s", exc)
         self._model = ServedModel(self.model_name or Path(status.model).name, status.model,
-                                  min(lens) if lens else None, template, error)
+                                  min(lens) if lens else None, template, error, status.accepts_messages)
         return self._model
 
     async def _check_model(self, requested: str | None) -> ServedModel:
@@ -227,21 +229,12 @@ class HttpApi:
         served = await self._check_model(req.model)
         if served.chat_template is None and served.template_error is not None:
             raise S.bad_request(served.template_error, "messages", "chat_template_error")
-        try:
-            text = render_chat_prompt(served.chat_template, _messages(req), req.add_generation_prompt,
-                                      req.chat_template_kwargs)
-        except ChatTemplateError as exc:
-            raise S.bad_request(str(exc), "messages", "chat_template_error") from None
-        ids = await self._tokens(served, text)
-        if not ids:
-            raise S.bad_request("the rendered chat prompt is empty", "messages")
         max_tokens = req.max_completion_tokens or req.max_tokens
-        if max_tokens is None and served.max_model_len is not None:
-            max_tokens = served.max_model_len - len(ids)
-            if max_tokens < 1:
-                raise S.bad_request(f"the messages are {len(ids)} tokens; the model's context is "
-                                    f"{served.max_model_len}", "messages", "context_length_exceeded")
-        jobs = G.jobs_of([ids], req.n or 1)
+        if self._daemon_renders(served, req, max_tokens):
+            prompt = tuple(_messages(req))  # G.Job: a tuple of messages, rendered and tokenised by the daemon
+        else:
+            prompt, max_tokens = await self._render(served, req, max_tokens)
+        jobs = G.jobs_of([prompt], req.n or 1)
         params = S.generate_params(req, max_tokens, bool(req.stream))
         rid, created = G.new_id("chatcmpl"), G.now_s()
 
@@ -256,6 +249,32 @@ class HttpApi:
         got = await G.gather(self.client, jobs, params)
         choices = [S.ChatChoice(i, S.AssistantMessage(got.text(i)), got.finish.get(i)) for i in range(len(jobs))]
         return _json(S.ChatCompletionBody(rid, created, served.name, choices, got.usage()))
+
+
+    def _daemon_renders(self, served: ServedModel, req: S.ChatCompletionRequest, max_tokens: int | None) -> bool:
+        """Whether the daemon can render this chat as this server would: it takes ``messages``, with the model's
+        own template (no ``--chat-template``), no ``chat_template_kwargs``, the generation prompt, and a
+        ``max_tokens`` given (the rest of the context needs the prompt's token count here)."""
+        return (served.daemon_renders_chat and served.chat_template is not None and self.chat_template_path is None
+                and not req.chat_template_kwargs and req.add_generation_prompt and max_tokens is not None)
+
+    async def _render(self, served: ServedModel, req: S.ChatCompletionRequest,
+                      max_tokens: int | None) -> tuple[list[int], int | None]:
+        """The chat's token ids, rendered and tokenised here, and ``max_tokens`` (None: the rest of the context)."""
+        try:
+            text = render_chat_prompt(served.chat_template, _messages(req), req.add_generation_prompt,
+                                      req.chat_template_kwargs)
+        except ChatTemplateError as exc:
+            raise S.bad_request(str(exc), "messages", "chat_template_error") from None
+        ids = await self._tokens(served, text)
+        if not ids:
+            raise S.bad_request("the rendered chat prompt is empty", "messages")
+        if max_tokens is None and served.max_model_len is not None:
+            max_tokens = served.max_model_len - len(ids)
+            if max_tokens < 1:
+                raise S.bad_request(f"the messages are {len(ids)} tokens; the model's context is "
+                                    f"{served.max_model_len}", "messages", "context_length_exceeded")
+        return ids, max_tokens
 
 
 def _json(body) -> web.Response:

@@ -98,6 +98,7 @@ def build_status(core: FrontCore, workers: Sequence[WorkerView], model: str,
         tokens_per_s=generated.rate(now), tokens_per_s_window_s=generated.window(now),
         **metrics.latency_percentiles(),
         requests_open=len(open_requests), requests=[request_info(req, now) for req in oldest],
+        accepts_messages=True,
     )
 
 

@@ -8,7 +8,8 @@ fork-safe), watched through their process sentinels and heartbeats,
 restarted with backoff after an unexpected exit, and stopped with a
 deadline: ``Shutdown`` message, join, SIGTERM, join, SIGKILL.
 :class:`WorkerPool` does all of that on the front's event loop; what a
-worker's exit means for its requests is the core's business.
+worker's exit means for its requests is the core's business. :class:`HttpChild`
+does the same for the HTTP API child (``serve --http``) with the same backoff and deadlines.
 """
 
 from __future__ import annotations

@@ -305,6 +305,8 @@ class StatusReply(Struct, tag="status_reply", **WIRE):
     """Requests admitted and not yet ended (waiting, running, preempting, aborting)."""
     requests: list[RequestInfo] = []
     """The oldest open requests, oldest first: at most ``MAX_STATUS_REQUESTS`` of ``requests_open``."""
+    accepts_messages: bool = False
+    """The daemon takes ``Generate.messages`` (False from a daemon older than the field)."""
 
 
 class MetricsReply(Struct, tag="metrics_reply", **WIRE):
