@@ -57,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="hf (default) or synthetic (no model compute, to measure the serving layer)")
     serve.add_argument("--synthetic-step-ms", type=float, help="step time of the synthetic engine (default 1 ms)")
     serve.add_argument("--metrics-port", type=int, help="Prometheus exporter port on 127.0.0.1 (default: off)")
+    serve.add_argument("--http", metavar="HOST:PORT", help="also serve the OpenAI-compatible HTTP API there "
+                       "(a child process; a host that is not loopback needs --api-key-file)")
+    serve.add_argument("--http-unix", metavar="PATH", help="serve the HTTP API on this unix socket (mode 0600)")
+    serve.add_argument("--api-key-file", metavar="FILE", help="bearer token HTTP clients must send")
+    serve.add_argument("--served-model-name", help="the model's name in the HTTP API (default: its directory's)")
     serve.add_argument("--max-concurrency", type=int, help="running requests per worker")
     serve.add_argument("--max-model-len", type=int, help="most prompt + output tokens per request "
                        "(default: the model's context)")
@@ -71,8 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", formatter_class=defaults, help="stream one generation to stdout")
     _add_address(gen)
-    gen.add_argument("prompt", help=f"the prompt text; {STDIN_PROMPT} reads it from standard input "
+    gen.add_argument("prompt", nargs="?", help=f"the prompt text; {STDIN_PROMPT} reads it from standard input "
                      "(one trailing newline removed)")
+    gen.add_argument("--chat", metavar="TEXT", help="instead of a prompt: a user message, rendered by the daemon "
+                     f"with the model's chat template ({STDIN_PROMPT}: standard input)")
+    gen.add_argument("--system", metavar="TEXT", help="with --chat: a system message before it")
     gen.add_argument("--max-tokens", type=int, default=GENERATE_DEFAULTS["max_tokens"],
                      help="tokens to generate at most")
     gen.add_argument("--temperature", type=float, default=GENERATE_DEFAULTS["temperature"], help="0 = greedy")
@@ -185,6 +193,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_concurrency=args.max_concurrency, queue_size=args.queue_size, log_level=args.log_level,
         max_model_len=args.max_model_len, block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
+        http=args.http, http_unix=args.http_unix, api_key_file=args.api_key_file,
+        served_model_name=args.served_model_name,
     )
     overrides = {k: v for k, v in overrides.items() if v is not None}
     try:
@@ -204,7 +214,16 @@ def _generate(args: argparse.Namespace) -> int:
                   ignore_eos=args.ignore_eos, timeout_s=args.timeout, queue_timeout_s=args.queue_timeout)
     wrote = False
     try:
-        prompt = _read_prompt(args.prompt)
+        prompt = None
+        if (args.prompt is None) == (args.chat is None):
+            raise ValueError("give a prompt or --chat TEXT (one of them)")
+        if args.system is not None and args.chat is None:
+            raise ValueError("--system needs --chat")
+        if args.chat is not None:
+            params["messages"] = [*([{"role": "system", "content": args.system}] if args.system is not None else []),
+                                  {"role": "user", "content": _read_prompt(args.chat)}]
+        else:
+            prompt = _read_prompt(args.prompt)
         with _client(args) as client:
             for chunk in client.generate(prompt, **params):
                 if args.json:

@@ -6,6 +6,7 @@ Every field has a default, so an empty file (or none) is a valid config.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from pathlib import Path
@@ -108,6 +109,15 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     metrics_port: int | None = None
     """Serve Prometheus metrics on http://127.0.0.1:PORT/metrics; None = no exporter."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    http: str | None = None
+    """``HOST:PORT`` of the OpenAI-compatible HTTP API, served by a child process of the front
+    (``ringstream: http``); None = no HTTP server. A host that is not loopback needs ``api_key_file``."""
+    http_unix: str | None = None
+    """Also (or only) serve the HTTP API on this unix socket path (mode 0600)."""
+    api_key_file: str | None = None
+    """File holding the bearer token HTTP clients must send (``Authorization: Bearer KEY``)."""
+    served_model_name: str | None = None
+    """The model's name in the HTTP API; None = the model directory's name."""
 
     def check(self) -> "Config":
         """Validate every field; returns self. Raises ValueError naming the bad value."""
@@ -152,7 +162,30 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.worker_threads < 0:
             raise ValueError(f"worker_threads = {self.worker_threads}: must be >= 0")
         parse_devices(self.devices)
+        self._check_http()
         return self
+
+    def _check_http(self) -> None:
+        """``http``/``http_unix``/``api_key_file``/``served_model_name``; ValueError naming the bad one."""
+        if self.http is not None:
+            host, sep, port = self.http.rpartition(":")
+            if not sep or not host.strip("[]") or not port.isdigit() or int(port) > 65535:
+                raise ValueError(f"http = {self.http!r}: use HOST:PORT (e.g. 127.0.0.1:8000)")
+            if not is_loopback_host(host.strip("[]")) and self.api_key_file is None:
+                raise ValueError(f"http = {self.http!r}: a host that is not loopback needs api_key_file "
+                                 "(HTTP clients then send Authorization: Bearer KEY)")
+        if self.http_unix is not None and not self.http_unix:
+            raise ValueError("http_unix: empty path")
+        for name in ("api_key_file", "served_model_name"):
+            if getattr(self, name) is not None and self.http is None and self.http_unix is None:
+                raise ValueError(f"{name} is set but no HTTP server is: give http (HOST:PORT) or http_unix")
+        if self.served_model_name is not None and not 1 <= len(self.served_model_name) <= 256:
+            raise ValueError(f"served_model_name {self.served_model_name!r}: 1 to 256 characters")
+
+    @property
+    def serves_http(self) -> bool:
+        """Whether the front runs the HTTP API child process."""
+        return self.http is not None or self.http_unix is not None
 
     def priority_limits(self) -> dict[int, int]:
         """``priority_queue_limits`` with integer keys. Raises ValueError for a bad key or limit."""
@@ -190,6 +223,16 @@ def check_socket_address(address: str, curve: bool = False) -> None:
                              "(curve_secret_key_file and curve_allowed_clients_dir)")
         return
     raise ValueError(f"socket {address!r}: use ipc://PATH or tcp://127.0.0.1:PORT")
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ::1); any other name or address is not."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def parse_devices(spec: str) -> list[str]:

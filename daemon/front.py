@@ -42,6 +42,7 @@ import zmq.asyncio
 from ringstream.daemon.client_socket import ClientSocket
 from ringstream.daemon.config import Config, load_config, parse_devices, runtime_dir
 from ringstream.daemon.core import ABORT_GRACE_S, FrontCore
+from ringstream.daemon.http_child import HttpSpec, bind_listener, check_api_key_file
 from ringstream.daemon.intake import Intake
 from ringstream.daemon.metrics import Metrics
 from ringstream.daemon.model import ModelInfo, load_tokenizer, resolve_model_dir
@@ -52,8 +53,8 @@ from ringstream.daemon.settings import reload_changes
 from ringstream.daemon.status import build_status, update_gauges
 from ringstream.daemon.validate import Validator
 from ringstream.daemon.worker_pool import (
-    JOIN_GRACE_S, InstanceLock, StartupError, WorkerPool, WorkerProcess, create_workers, ensure_open_files,
-    open_files_needed,
+    JOIN_GRACE_S, HttpChild, InstanceLock, StartupError, WorkerPool, WorkerProcess, create_workers,
+    ensure_open_files, open_files_needed,
 )
 from ringstream.ipc import protocol as P
 from ringstream.ipc.aio import SocketPump
@@ -84,6 +85,8 @@ class Front:
         """Set when the core's shutdown reached STOPPED: teardown follows."""
         self.ctx = zmq.asyncio.Context()
         self.pool: WorkerPool | None = None
+        self.http: HttpChild | None = None
+        """The HTTP API child process (``http`` / ``http_unix`` set), else None."""
         self.intake: Intake | None = None
         self.model: ModelInfo | None = None
         self.lock: InstanceLock | None = None
@@ -120,6 +123,8 @@ class Front:
         self.notifier.ready(status=f"serving on {len(self.workers)} worker(s)")
 
     def stopping(self) -> None:
+        if self.http is not None:
+            self.http.terminate()  # stops accepting now; its streams in flight finish within the drain
         drain_s = self.core.config.drain_timeout_s
         self.notifier.stopping(status=f"draining (up to {drain_s:.0f} s)")
         self.notifier.extend_timeout(drain_s + 2 * ABORT_GRACE_S + 2 * JOIN_GRACE_S + TIMEOUT_MARGIN_S)
@@ -207,6 +212,8 @@ class Front:
                 self.metrics.serve(config.metrics_port)
             except OSError as exc:
                 raise StartupError(f"metrics port {config.metrics_port}: {exc}") from exc
+        if config.serves_http:
+            self.http = self._http_child()
         self.events = zmq.Socket(self.ctx, zmq.PULL)  # plain sockets, read by SocketPumps (ipc.aio)
         event_address = f"ipc://{rundir / f'{config.instance}.events'}"
         self.events.bind(event_address)
@@ -219,14 +226,37 @@ class Front:
         self.client_socket = ClientSocket(self.ctx, config, self._on_client_message)
         self.client_socket.bind()
         self.pool.start()
+        if self.http is not None:
+            self.http.start()
         log.info("listening on %s; model %s; %d worker(s) on %s", address, self.model.path, len(self.devices),
                  ",".join(self.devices))
+
+    def _http_child(self) -> HttpChild:
+        """The HTTP API child, its TCP port bound here: a taken port or a bad key file fails the start at once."""
+        config = self.config
+        listener = None
+        try:
+            if config.api_key_file is not None:
+                check_api_key_file(config.api_key_file)
+            if config.http is not None:
+                listener = bind_listener(config.http)
+        except (OSError, ValueError) as exc:
+            raise StartupError(f"http {config.http or config.http_unix}: {exc}") from exc
+        spec = HttpSpec(socket_address=config.address(), unix_path=config.http_unix,
+                        api_key_file=config.api_key_file, model_name=config.served_model_name,
+                        shutdown_grace_s=config.drain_timeout_s, parent_pid=os.getpid(), log_level=config.log_level)
+        return HttpChild(spec, listener, lambda: self.state == DaemonState.SERVING, self._http_start_failed)
+
+    def _http_start_failed(self, message: str) -> None:
+        log.error("start failed: %s", message)
+        self.notifier.status(f"start failed: {message}")
+        self.request_stop(exit_code=1)
 
     async def _teardown(self) -> None:
         self.core.state = DaemonState.STOPPED
         try:
-            if self.pool is not None:
-                await self.pool.stop()
+            stops = [s.stop() for s in (self.pool, self.http) if s is not None]
+            await asyncio.gather(*stops)
         finally:
             if self.event_pump is not None:
                 self.event_pump.stop()

@@ -30,6 +30,7 @@ import ipaddress
 import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -105,6 +106,8 @@ class HttpServer:
         max_body_bytes: largest request body, bytes (413 beyond).
         shutdown_grace_s: seconds requests in flight get to finish on :meth:`close`.
         limits: timeouts and the connection cap (:class:`HttpLimits`; its defaults when None).
+        sock: a TCP socket bound and listening already, served instead of ``listen`` (the front hands one
+            to its HTTP child); the loopback rule applies to its address.
 
     Raises:
         ConfigError: a malformed ``listen``, no address at all, a non-loopback address without a key, or a
@@ -114,12 +117,14 @@ class HttpServer:
     def __init__(self, socket_address: str | None, listen: str | None = DEFAULT_LISTEN, *, unix_path: str | None = None,
                  api_key_file: str | Path | None = None, model_name: str | None = None,
                  chat_template: str | Path | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-                 shutdown_grace_s: float = SHUTDOWN_GRACE_S, limits: HttpLimits | None = None) -> None:
-        if listen is None and unix_path is None:
+                 shutdown_grace_s: float = SHUTDOWN_GRACE_S, limits: HttpLimits | None = None,
+                 sock: socket.socket | None = None) -> None:
+        if listen is None and unix_path is None and sock is None:
             raise ConfigError("nothing to listen on: give a HOST:PORT or a unix socket path")
-        self.tcp = parse_listen(listen) if listen is not None else None
+        self.sock = sock
+        self.tcp = parse_listen(listen) if listen is not None and sock is None else None
         self.api_key = read_api_key(api_key_file) if api_key_file is not None else None
-        check_listen_auth(self.tcp[0] if self.tcp else None, self.api_key)
+        check_listen_auth(self.tcp[0] if self.tcp else sock.getsockname()[0] if sock else None, self.api_key)
         self.socket_address = socket_address
         self.unix_path = unix_path
         self.model_name = model_name
@@ -152,8 +157,9 @@ class HttpServer:
             self.cap = ConnectionCap(fit_open_files(self.limits.max_connections))
             await self._runner.setup()
             self.cap.install(self._runner.server)
-            if self.tcp is not None:
-                site = web.TCPSite(self._runner, self.tcp[0], self.tcp[1])
+            if self.tcp is not None or self.sock is not None:
+                site = web.SockSite(self._runner, self.sock) if self.sock is not None \
+                    else web.TCPSite(self._runner, self.tcp[0], self.tcp[1])
                 await site.start()
                 for address in self._runner.addresses:  # the bound port, when 0 asked for a free one
                     host, port = address[:2]
@@ -193,17 +199,19 @@ async def run_http_server(socket_address: str | None, listen: str | None = DEFAU
                           unix_path: str | None = None, api_key_file: str | Path | None = None,
                           model_name: str | None = None, chat_template: str | Path | None = None,
                           max_body_bytes: int = MAX_BODY_BYTES, shutdown_grace_s: float = SHUTDOWN_GRACE_S,
-                          limits: HttpLimits | None = None, stop: asyncio.Event | None = None, handle_signals: bool = True,
-                          print_ready: bool = False) -> None:
+                          limits: HttpLimits | None = None, stop: asyncio.Event | None = None,
+                          handle_signals: bool = True, print_ready: bool = False, sock: socket.socket | None = None,
+                          on_ready=None) -> None:
     """Serve until ``stop`` is set (or SIGTERM / SIGINT with ``handle_signals``), then close cleanly.
 
     Arguments as :class:`HttpServer`. ``print_ready``: print the
-    :data:`READY_LINE` with the bound URLs once listening. Raises
+    :data:`READY_LINE` with the bound URLs once listening; ``on_ready(urls)``
+    is called then too. Raises
     ConfigError (before binding anything) or OSError (an address in use).
     """
     server = HttpServer(socket_address, listen, unix_path=unix_path, api_key_file=api_key_file,
                         model_name=model_name, chat_template=chat_template, max_body_bytes=max_body_bytes,
-                        shutdown_grace_s=shutdown_grace_s, limits=limits)
+                        shutdown_grace_s=shutdown_grace_s, limits=limits, sock=sock)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     signals = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
@@ -214,6 +222,8 @@ async def run_http_server(socket_address: str | None, listen: str | None = DEFAU
         log.info("serving on %s (daemon %s)", " ".join(urls), server.client.address)
         if print_ready:
             print(READY_LINE, *urls, flush=True)
+        if on_ready is not None:
+            on_ready(urls)
         await stop.wait()
         log.info("stopping")
     finally:

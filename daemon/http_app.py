@@ -1,7 +1,8 @@
 """The OpenAI-compatible API's aiohttp application: endpoints, errors and authentication over one daemon client.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``GET /v1/models`` (and ``/v1/models/{name}``), ``GET /health``. Requests
+``GET /v1/models`` (and ``/v1/models/{name}``), ``GET /health``, ``GET /metrics``
+(the daemon's Prometheus exposition, fetched over its socket per scrape). Requests
 reach the daemon through one shared :class:`~ringstream.ipc.client.AsyncClient`,
 so they are scheduled like any other client's (``priority`` is an extension
 field). Every error is answered with OpenAI's error body. The server process
@@ -24,7 +25,7 @@ from ringstream.daemon import openai_schema as S
 from ringstream.daemon.chat_template import ChatTemplate, ChatTemplateError, render_chat_prompt
 from ringstream.daemon.http_limits import BODY_TIMEOUT_S, WRITE_TIMEOUT_S
 from ringstream.ipc.client import AsyncClient
-from ringstream.ipc.errors import RingstreamError
+from ringstream.ipc.errors import InvalidRequest, RingstreamError
 
 log = logging.getLogger("ringstream.http")
 
@@ -32,6 +33,10 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 """Largest request body, bytes; a larger one gets 413."""
 STATUS_TIMEOUT_S = 2.0
 """How long ``/health`` and the model lookup wait for the daemon's status, seconds."""
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+"""Prometheus' text exposition format."""
+OPEN_PATHS = ("/health", "/metrics")
+"""Paths served without the API key (health checkers and scrapers)."""
 LONG_PROMPT_CHARS = 8192
 """A rendered chat prompt this long or longer is tokenised on a thread, off the event loop."""
 CLOSING_STATUSES = frozenset({408, 413})
@@ -56,6 +61,8 @@ class ServedModel:
     chat_template: ChatTemplate | None
     template_error: str | None = None
     """Why the chat template could not be loaded (it then stays None)."""
+    daemon_renders_chat: bool = False
+    """The daemon takes ``messages`` and renders them with the model's template itself."""
 
 
 class HttpApi:
@@ -90,6 +97,7 @@ class HttpApi:
             web.get("/v1/models", self.models),
             web.get("/v1/models/{name:.+}", self.model),
             web.get("/health", self.health),
+            web.get("/metrics", self.metrics),
         ])
 
     # -- middlewares ------------------------------------------------------------------------
@@ -114,7 +122,7 @@ class HttpApi:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if self.api_key is not None and request.path != "/health" \
+        if self.api_key is not None and request.path not in OPEN_PATHS \
                 and not authorized(request.headers.get("Authorization"), self.api_key):
             raise S.ApiError(401, "a valid API key is required: Authorization: Bearer <key>",
                              "authentication_error", None, "invalid_api_key")
@@ -141,7 +149,7 @@ class HttpApi:
             error = str(exc)
             log.warning("chat template: %s", exc)
         self._model = ServedModel(self.model_name or Path(status.model).name, status.model,
-                                  min(lens) if lens else None, template, error)
+                                  min(lens) if lens else None, template, error, status.accepts_messages)
         return self._model
 
     async def _check_model(self, requested: str | None) -> ServedModel:
@@ -181,6 +189,18 @@ class HttpApi:
         body = {"status": state, "workers_alive": live}
         return web.json_response(body, status=200 if ok else 503,
                                  headers=None if ok else {"Retry-After": str(S.RETRY_AFTER_S)})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """The daemon's Prometheus exposition; 503 while the daemon cannot be asked, 501 from one too old."""
+        try:
+            text = await asyncio.wait_for(self.client.metrics(), STATUS_TIMEOUT_S)
+        except InvalidRequest:
+            raise S.ApiError(501, "the inference daemon does not serve metrics (it is older than this server)",
+                             "server_error") from None
+        except (RingstreamError, TimeoutError) as exc:
+            raise S.unavailable(f"the inference daemon is unavailable: {exc or 'no answer'}",
+                                "daemon_unavailable") from None
+        return web.Response(body=text.encode(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     def _card(self, served: ServedModel) -> S.ModelCard:
         return S.ModelCard(id=served.name, created=G.now_s(), root=served.path, max_model_len=served.max_model_len)
@@ -228,21 +248,12 @@ class HttpApi:
         served = await self._check_model(req.model)
         if served.chat_template is None and served.template_error is not None:
             raise S.bad_request(served.template_error, "messages", "chat_template_error")
-        try:
-            text = render_chat_prompt(served.chat_template, _messages(req), req.add_generation_prompt,
-                                      req.chat_template_kwargs)
-        except ChatTemplateError as exc:
-            raise S.bad_request(str(exc), "messages", "chat_template_error") from None
-        ids = await self._tokens(served, text)
-        if not ids:
-            raise S.bad_request("the rendered chat prompt is empty", "messages")
         max_tokens = req.max_completion_tokens or req.max_tokens
-        if max_tokens is None and served.max_model_len is not None:
-            max_tokens = served.max_model_len - len(ids)
-            if max_tokens < 1:
-                raise S.bad_request(f"the messages are {len(ids)} tokens; the model's context is "
-                                    f"{served.max_model_len}", "messages", "context_length_exceeded")
-        jobs = G.jobs_of([ids], req.n or 1)
+        if self._daemon_renders(served, req, max_tokens):
+            prompt = tuple(_messages(req))  # G.Job: a tuple of messages, rendered and tokenised by the daemon
+        else:
+            prompt, max_tokens = await self._render(served, req, max_tokens)
+        jobs = G.jobs_of([prompt], req.n or 1)
         params = S.generate_params(req, max_tokens, bool(req.stream))
         rid, created = G.new_id("chatcmpl"), G.now_s()
 
@@ -258,6 +269,32 @@ class HttpApi:
         choices = [S.ChatChoice(i, S.AssistantMessage(got.text(i)), got.finish.get(i)) for i in range(len(jobs))]
         return await G.send_json(request, S.ChatCompletionBody(rid, created, served.name, choices, got.usage()),
                                  self.write_timeout_s)
+
+
+    def _daemon_renders(self, served: ServedModel, req: S.ChatCompletionRequest, max_tokens: int | None) -> bool:
+        """Whether the daemon can render this chat as this server would: it takes ``messages``, with the model's
+        own template (no ``--chat-template``), no ``chat_template_kwargs``, the generation prompt, and a
+        ``max_tokens`` given (the rest of the context needs the prompt's token count here)."""
+        return (served.daemon_renders_chat and served.chat_template is not None and self.chat_template_path is None
+                and not req.chat_template_kwargs and req.add_generation_prompt and max_tokens is not None)
+
+    async def _render(self, served: ServedModel, req: S.ChatCompletionRequest,
+                      max_tokens: int | None) -> tuple[list[int], int | None]:
+        """The chat's token ids, rendered and tokenised here, and ``max_tokens`` (None: the rest of the context)."""
+        try:
+            text = render_chat_prompt(served.chat_template, _messages(req), req.add_generation_prompt,
+                                      req.chat_template_kwargs)
+        except ChatTemplateError as exc:
+            raise S.bad_request(str(exc), "messages", "chat_template_error") from None
+        ids = await self._tokens(served, text)
+        if not ids:
+            raise S.bad_request("the rendered chat prompt is empty", "messages")
+        if max_tokens is None and served.max_model_len is not None:
+            max_tokens = served.max_model_len - len(ids)
+            if max_tokens < 1:
+                raise S.bad_request(f"the messages are {len(ids)} tokens; the model's context is "
+                                    f"{served.max_model_len}", "messages", "context_length_exceeded")
+        return ids, max_tokens
 
 
 def _json(body) -> web.Response:

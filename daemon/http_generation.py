@@ -78,6 +78,8 @@ async def _run(client: AsyncClient, job: Job, params: dict, queue: asyncio.Queue
     try:
         if isinstance(prompt, str):
             stream = client.generate(prompt, **params)
+        elif isinstance(prompt, tuple):  # chat messages, rendered by the daemon
+            stream = client.generate(messages=list(prompt), **params)
         else:
             stream = client.generate(prompt_token_ids=prompt, **params)
         async for chunk in stream:

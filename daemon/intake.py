@@ -4,7 +4,8 @@ Socket-free: the shell hands :meth:`Intake.on_frames` each message's frames
 (identity first) and the serial of the connection it came through; replies go
 out through the core's ports. A ``Generate`` becomes a :class:`Request`
 admitted to the core once its prompt is tokenised and checked: inline for
-prompts up to ``INLINE_TOKENIZE_CHARS``, else on the tokenizer thread (the
+prompts up to ``INLINE_TOKENIZE_CHARS`` (a chat's contents together: rendered
+with the chat template, then tokenised), else on the tokenizer thread (the
 request holds its id meanwhile, so a ``Cancel`` finds it).
 """
 
@@ -19,7 +20,7 @@ import msgspec
 
 from ringstream.daemon.core import FrontCore
 from ringstream.daemon.request import Request, RequestStatus
-from ringstream.daemon.validate import RequestRejected, Validator
+from ringstream.daemon.validate import RequestRejected, Validator, prompt_chars
 from ringstream.ipc import protocol as P
 
 __all__ = ["INLINE_TOKENIZE_CHARS", "Intake", "MAX_TOKENIZING", "MAX_UNKNOWN_ANSWERS"]
@@ -105,6 +106,8 @@ class Intake:
                 self.reply(identity, self.status([]))
             case P.Admin(settings=settings):
                 self._on_admin(identity, settings)
+            case P.Metrics():
+                self.reply(identity, P.MetricsReply(text=self.core.metrics.exposition()))
 
     def _on_generate(self, identity: bytes, msg: P.Generate, now: float, connection: int | None) -> None:
         core = self.core
@@ -116,7 +119,7 @@ class Intake:
             self.reply(identity, P.Error(id=msg.id, code=P.ErrorCode.SHUTTING_DOWN, message="daemon is shutting down"))
             return
         req = Request(identity, msg.id, next(self.handles), msg, [], now, queued_at=now)
-        if msg.prompt is not None and len(msg.prompt) > INLINE_TOKENIZE_CHARS:
+        if prompt_chars(msg) > INLINE_TOKENIZE_CHARS:
             self._tokenize_off_loop(req, connection)
             return
         try:
@@ -139,7 +142,7 @@ class Intake:
             return
         core.clients.add(req, connection, req.arrival)
         core.tokenizing += 1
-        future = self.run_off_loop(functools.partial(self.validator.tokenize, req.msg.prompt, release_gil=True))
+        future = self.run_off_loop(functools.partial(self.validator.prompt_ids, req.msg, release_gil=True))
         future.add_done_callback(functools.partial(self._on_tokenized, req, connection))
 
     def _on_tokenized(self, req: Request, connection: int | None, future) -> None:

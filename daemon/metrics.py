@@ -13,13 +13,15 @@ import math
 import time
 from collections import deque
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 """Histogram buckets for TTFT, E2E and queue time, seconds."""
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 """Histogram buckets for inter-token latency, seconds."""
 EXPORTER_HOST = "127.0.0.1"
+EXPOSITION_CACHE_S = 0.1
+"""Seconds one rendering of the exposition answers ``Metrics`` messages (the gauges refresh every 0.25 s)."""
 REPORTED_QUANTILES = (0.5, 0.99)
 """Quantiles of TTFT and ITL that ``ringstream status`` reports."""
 PERCENT = 100
@@ -151,7 +153,31 @@ class Metrics:
         self.client_events = Counter("ringstream_client_events",
                                      "Client trouble: disconnected with requests open, stuck (not reading), "
                                      "send_blocked (a send met a full queue)", ["event"], registry=r)
+        # What a gateway's endpoint picker reads (Gateway API Inference Extension model-server protocol),
+        # unlabelled like vLLM's vllm:num_requests_waiting, vllm:num_requests_running, vllm:kv_cache_usage_perc.
+        self.num_requests_waiting = Gauge("ringstream_num_requests_waiting",
+                                          "Requests not yet computing: in the front's queue, or assigned to a "
+                                          "worker whose engine has no batch slot or KV blocks for them yet",
+                                          registry=r)
+        self.num_requests_running = Gauge("ringstream_num_requests_running",
+                                          "Requests a worker's engine is computing", registry=r)
+        self.kv_cache_usage_perc = Gauge("ringstream_kv_cache_usage_perc",
+                                         "KV-cache blocks held / blocks in the pools of all workers (0..1)",
+                                         registry=r)
         self._server = None
+        self._exposition: tuple[float, str] | None = None
+
+    def exposition(self, now: float | None = None) -> str:
+        """Every metric in Prometheus' text exposition format 0.0.4 (what ``/metrics`` serves).
+
+        Rendering takes about 1.7 ms with one worker (2-core EPYC), on the front's loop; scrapes within
+        :data:`EXPOSITION_CACHE_S` of a rendering share it, so a gateway scraping every 50 ms costs the
+        front at most 1.7 ms per 100 ms. ``now``: ``time.monotonic()``.
+        """
+        now = time.monotonic() if now is None else now
+        if self._exposition is None or now - self._exposition[0] >= EXPOSITION_CACHE_S:
+            self._exposition = (now, generate_latest(self.registry).decode())
+        return self._exposition[1]
 
     def latency_percentiles(self) -> dict[str, float | None]:
         """P50 and P99 of TTFT and ITL since the start, seconds (:func:`histogram_quantile`; None before any

@@ -13,7 +13,7 @@ from ringstream.daemon.request import DaemonState, Request, RequestStatus
 from ringstream.daemon.settings import LIVE_SETTINGS
 from ringstream.ipc import protocol as P
 
-__all__ = ["build_status", "decode_rate", "kv_cache_usage", "request_info", "update_gauges"]
+__all__ = ["build_status", "decode_rate", "kv_cache_usage", "pool_kv_usage", "request_info", "update_gauges"]
 
 
 class WorkerView(Protocol):
@@ -32,6 +32,13 @@ def kv_cache_usage(load: P.WorkerHeartbeat) -> float:
     if not load.kv_blocks_total:
         return 0.0
     return 1.0 - load.kv_blocks_free / load.kv_blocks_total
+
+
+def pool_kv_usage(loads: Sequence[P.WorkerHeartbeat]) -> float:
+    """Blocks held / blocks in the pools of all workers, from their last reports (0 before any): the share of
+    the daemon's KV capacity in use (each worker's pool weighs by its size)."""
+    total = sum(load.kv_blocks_total for load in loads)
+    return 1.0 - sum(load.kv_blocks_free for load in loads) / total if total else 0.0
 
 
 def decode_rate(req: Request, now: float) -> float:
@@ -91,6 +98,7 @@ def build_status(core: FrontCore, workers: Sequence[WorkerView], model: str,
         tokens_per_s=generated.rate(now), tokens_per_s_window_s=generated.window(now),
         **metrics.latency_percentiles(),
         requests_open=len(open_requests), requests=[request_info(req, now) for req in oldest],
+        accepts_messages=True,
     )
 
 
@@ -101,6 +109,10 @@ def update_gauges(core: FrontCore, workers: Sequence[WorkerView]) -> None:
     m.waiting.clear()
     for priority, count in scheduler.waiting_by_priority().items():
         m.waiting.labels(str(priority)).set(count)
+    engine_waiting = sum(load.waiting for load in core.worker_loads)
+    m.num_requests_waiting.set(scheduler.num_waiting + engine_waiting)
+    m.num_requests_running.set(max(0, scheduler.num_running - engine_waiting))
+    m.kv_cache_usage_perc.set(pool_kv_usage(core.worker_loads))
     for worker, budget, load in zip(workers, scheduler.workers, core.worker_loads):
         label = str(worker.index)
         m.kv_cache_usage.labels(label).set(kv_cache_usage(load))

@@ -8,7 +8,8 @@ fork-safe), watched through their process sentinels and heartbeats,
 restarted with backoff after an unexpected exit, and stopped with a
 deadline: ``Shutdown`` message, join, SIGTERM, join, SIGKILL.
 :class:`WorkerPool` does all of that on the front's event loop; what a
-worker's exit means for its requests is the core's business.
+worker's exit means for its requests is the core's business. :class:`HttpChild`
+does the same for the HTTP API child (``serve --http``) with the same backoff and deadlines.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import resource
 import secrets
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +32,7 @@ from typing import Callable, Iterator
 import zmq
 
 from ringstream.daemon.config import Config
+from ringstream.daemon.http_child import READY, HttpSpec, http_main
 from ringstream.daemon.worker import WorkerSpec, worker_main
 from ringstream.ipc import protocol as P
 from ringstream.ipc.ring import Record, RingConsumer
@@ -241,21 +244,33 @@ def spawn(worker: WorkerProcess) -> None:
     worker.last_heartbeat = time.monotonic()
 
 
-def stop_process(worker: WorkerProcess) -> None:
-    """Join a worker told to shut down; SIGTERM, then SIGKILL past each deadline. Blocking."""
-    proc = worker.process
-    if proc is None:
-        return
-    proc.join(JOIN_GRACE_S)
+def join_with_deadlines(proc: multiprocessing.process.BaseProcess, name: str, grace_s: float = JOIN_GRACE_S) -> None:
+    """Join a process told to stop within ``grace_s`` seconds; SIGTERM, then SIGKILL past each deadline; close
+    it. Blocking."""
+    proc.join(grace_s)
     if proc.is_alive():
-        log.warning("worker %d did not exit; terminating", worker.index)
+        log.warning("%s did not exit; terminating", name)
         proc.terminate()
         proc.join(JOIN_GRACE_S)
     if proc.is_alive():
-        log.warning("worker %d did not terminate; killing", worker.index)
+        log.warning("%s did not terminate; killing", name)
         proc.kill()
         proc.join()
     proc.close()
+
+
+def backoff(failures: list[float], now: float) -> tuple[list[float], float]:
+    """``(failures in the last RESTART_WINDOW_S with now added, restart delay in seconds)``: RESTART_BACKOFF_S
+    doubled per recent failure, at most RESTART_BACKOFF_MAX_S."""
+    failures = [t for t in failures if now - t < RESTART_WINDOW_S] + [now]
+    return failures, min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** (len(failures) - 1))
+
+
+def stop_process(worker: WorkerProcess) -> None:
+    """Join a worker told to shut down; SIGTERM, then SIGKILL past each deadline. Blocking."""
+    if worker.process is None:
+        return
+    join_with_deadlines(worker.process, f"worker {worker.index}")
     worker.process = None
     worker.alive = False
 
@@ -323,9 +338,7 @@ class WorkerPool:
     def restart_later(self, worker: WorkerProcess, still_wanted: Callable[[], bool]) -> float:
         """Restart ``worker`` after ``RESTART_BACKOFF_S * 2**(recent failures)`` seconds, capped, if
         ``still_wanted()`` then. Returns the delay, seconds."""
-        now = time.monotonic()
-        worker.failures = [t for t in worker.failures if now - t < RESTART_WINDOW_S] + [now]
-        delay = min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** (len(worker.failures) - 1))
+        worker.failures, delay = backoff(worker.failures, time.monotonic())
         self.on_restart()
         log.warning("restarting worker %d in %.1f s (%d failure(s) in %.0f s)",
                     worker.index, delay, len(worker.failures), RESTART_WINDOW_S)
@@ -370,3 +383,109 @@ class WorkerPool:
             await asyncio.gather(*(asyncio.to_thread(stop_process, w) for w in self.workers))
         finally:
             release_workers(self.workers)
+
+
+class HttpChild:
+    """The HTTP API child process (``serve --http``): spawned, watched, restarted with backoff, stopped.
+
+    ``listener``: the TCP socket the front bound, handed to every child (so connections wait in its backlog
+    while a child restarts) and closed by :meth:`terminate`. ``still_wanted()``: whether an exit is restarted
+    (the daemon serves). ``on_start_failed(message)``: the first child exited before it listened.
+    """
+
+    def __init__(self, spec: HttpSpec, listener: socket.socket | None, still_wanted: Callable[[], bool],
+                 on_start_failed: Callable[[str], None], on_restart: Callable[[], None] | None = None) -> None:
+        self.spec = spec
+        self.listener = listener
+        self.still_wanted = still_wanted
+        self.on_start_failed = on_start_failed
+        self.on_restart = on_restart or (lambda: None)
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self.pid = 0
+        self.alive = False
+        self.listening = False
+        """The current child said it listens."""
+        self.served = False
+        """Some child listened since the start (a later failure is restarted, not a failed start)."""
+        self.stopping = False
+        self.failures: list[float] = []
+        self._ready = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        """Spawn the child (spawn method) and watch its sentinel and its ready pipe."""
+        ctx = multiprocessing.get_context("spawn")
+        reader, writer = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=http_main, args=(self.spec, self.listener, writer), name="ringstream-http")
+        try:
+            self.process.start()
+        finally:
+            writer.close()
+        self.pid, self.alive, self.listening, self._ready = self.process.pid, True, False, reader
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.process.sentinel, self._exited)
+        loop.add_reader(reader.fileno(), self._read_ready)
+
+    def _read_ready(self) -> None:
+        reader, self._ready = self._ready, None
+        if reader is None:
+            return
+        asyncio.get_running_loop().remove_reader(reader.fileno())
+        try:
+            self.listening = reader.poll(0) and reader.recv_bytes() == READY
+        except (EOFError, OSError):
+            self.listening = False
+        reader.close()
+        self.served = self.served or self.listening
+
+    def _exited(self) -> None:
+        asyncio.get_running_loop().remove_reader(self.process.sentinel)
+        self._read_ready()  # it may have listened just before it died
+        self.alive = False
+        self.process.join(EXIT_REAP_S)
+        code = self.process.exitcode
+        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        if self.stopping:
+            log.info("HTTP server (pid %d) exited: %s", self.pid, how)
+        elif not self.served:
+            log.error("HTTP server (pid %d) exited before it listened: %s", self.pid, how)
+            self.on_start_failed(f"the HTTP server exited before it listened ({how}); see its log above")
+        elif self.still_wanted():
+            self.failures, delay = backoff(self.failures, time.monotonic())
+            self.on_restart()
+            log.error("HTTP server (pid %d) exited: %s; restarting it in %.1f s", self.pid, how, delay)
+            self._timer = asyncio.get_running_loop().call_later(delay, self._restart)
+
+    def _restart(self) -> None:
+        self._timer = None
+        if self.stopping or self.alive or not self.still_wanted():
+            return
+        self.process.close()
+        self.start()
+
+    def terminate(self) -> None:
+        """Stop accepting: close the front's listener and send the child SIGTERM (it finishes the streams in
+        flight within ``spec.shutdown_grace_s``, then exits). No restart follows. Safe to call twice."""
+        self.stopping = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.listener is not None:
+            self.listener.close()
+        if self.alive and self.process is not None:
+            self.process.terminate()
+
+    async def stop(self) -> None:
+        """:meth:`terminate`, then join the child: SIGTERM and SIGKILL past each JOIN_GRACE_S."""
+        self.terminate()
+        proc, self.process = self.process, None
+        if proc is None:
+            return
+        if self.alive:
+            asyncio.get_running_loop().remove_reader(proc.sentinel)
+        if self._ready is not None:
+            asyncio.get_running_loop().remove_reader(self._ready.fileno())
+            self._ready.close()
+            self._ready = None
+        await asyncio.to_thread(join_with_deadlines, proc, "HTTP server")
+        self.alive = False

@@ -223,7 +223,9 @@ class AsyncClient(ClientBase):
         ``temperature`` (1.0; 0 is greedy), ``top_p`` (1.0), ``top_k`` (0:
         off), ``seed``, ``stop`` (a string or a list of strings),
         ``stop_token_ids``, ``ignore_eos``, ``priority`` (0; lower is served
-        first), ``queue_timeout_s`` and ``timeout_s`` (seconds), ``stream``.
+        first), ``queue_timeout_s`` and ``timeout_s`` (seconds), ``stream``;
+        ``messages`` instead of a prompt: a chat (``[{"role": "user",
+        "content": "..."}]``) the daemon renders with the model's chat template.
         Raises a :class:`ServerError` subclass for an error reply,
         :class:`StreamOrderError`, :class:`DaemonUnavailable`, or TypeError
         for an unknown parameter.
@@ -244,6 +246,11 @@ class AsyncClient(ClientBase):
         """The daemon's live figures. Raises DaemonUnavailable if it does not answer."""
         return await self._call(P.Status())
 
+    async def metrics(self) -> str:
+        """The daemon's Prometheus exposition (text format). Raises DaemonUnavailable, or InvalidRequest from a
+        daemon too old to serve it."""
+        return (await self._call(P.Metrics())).text
+
     async def admin(self, **settings) -> P.StatusReply:
         """Change live settings (``max_concurrency=8``...); returns the status with the values in force.
 
@@ -251,7 +258,7 @@ class AsyncClient(ClientBase):
         """
         return await self._call(P.Admin(settings=settings))
 
-    async def _call(self, msg: P.Status | P.Admin) -> P.StatusReply:
+    async def _call(self, msg: P.Status | P.Admin | P.Metrics):
         waiter = asyncio.get_running_loop().create_future()
         self._open_call(msg, waiter)
         try:
@@ -334,7 +341,11 @@ class Client(ClientBase):
         """
         return self._call(P.Admin(settings=settings))
 
-    def _call(self, msg: P.Status | P.Admin) -> P.StatusReply:
+    def metrics(self) -> str:
+        """The daemon's Prometheus exposition; errors as :meth:`AsyncClient.metrics`."""
+        return self._call(P.Metrics()).text
+
+    def _call(self, msg: P.Status | P.Admin | P.Metrics):
         waiter = _Reply()
         self._open_call(msg, waiter)
         try:

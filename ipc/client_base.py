@@ -117,7 +117,12 @@ def _connect(address: str, identity: bytes | None, curve_server_key: bytes | Non
 
 
 def _request_params(params: dict) -> dict:
-    """``params`` with ``stop`` as the wire's list: one string becomes a list of it, ``None`` none."""
+    """``params`` with ``stop`` as the wire's list: one string becomes a list of it, ``None`` none; ``messages``
+    (``{"role", "content"[, "name"]}`` dicts) as :class:`ringstream.ipc.protocol.ChatMessage` (TypeError for
+    another key)."""
+    messages = params.get("messages")
+    if messages is not None:
+        params = {**params, "messages": [m if isinstance(m, P.ChatMessage) else P.ChatMessage(**m) for m in messages]}
     stop = params.get("stop")
     if isinstance(stop, str):
         return {**params, "stop": [stop]}
@@ -266,7 +271,7 @@ class ClientBase:
         if not stream.done:
             self._send(P.Cancel(id=stream.id))
 
-    def _open_call(self, msg: P.Status | P.Admin, waiter) -> None:
+    def _open_call(self, msg: P.Status | P.Admin | P.Metrics, waiter) -> None:
         """Queue ``waiter`` for the answer to ``msg`` and send it; DaemonUnavailable if it cannot be sent."""
         now = self._before_request()
         self._waiters.append(waiter)
@@ -313,7 +318,7 @@ class ClientBase:
         match msg:
             case P.Chunk(id=rid) | P.Error(id=rid) if rid in self._streams:
                 self._streams[rid].put(msg)
-            case P.StatusReply():
+            case P.StatusReply() | P.MetricsReply():
                 waiter = self._next_waiter()
                 if waiter is not None:
                     waiter.set_result(msg)

@@ -67,13 +67,34 @@ PROTOCOL_VERSION = 2
 # client -> front
 
 
+MAX_CHAT_MESSAGES = 4096
+"""Messages of one chat request at most (their contents together: ``MAX_PROMPT_CHARS`` characters)."""
+MAX_ROLE_CHARS = 64
+"""Longest ``role`` or ``name`` of a chat message."""
+
+
+class ChatMessage(Struct, **WIRE):
+    """One message of a chat request (``Generate.messages``), as the model's chat template reads it."""
+
+    role: Annotated[str, Meta(min_length=1, max_length=MAX_ROLE_CHARS)]
+    """``system``, ``user``, ``assistant``... (what the template knows)."""
+    content: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)] = ""
+    name: Annotated[str, Meta(min_length=1, max_length=MAX_ROLE_CHARS)] | None = None
+
+
 class Generate(Struct, tag="generate", **WIRE):
     """Start a generation; answered by ``Chunk``s (``seq`` 0, 1, ...) and one
     terminal message: a ``Chunk`` with ``finish_reason`` or an ``Error``.
 
     Exactly one of ``prompt`` (text, tokenised by the daemon with the model's
-    tokenizer, special tokens such as BOS added) or ``prompt_token_ids`` is
-    given. ``sampling``: how tokens are picked and when the stream stops
+    tokenizer, special tokens such as BOS added), ``prompt_token_ids`` or
+    ``messages`` is given. ``messages`` (a chat, at most ``MAX_CHAT_MESSAGES``,
+    their contents together at most ``MAX_PROMPT_CHARS`` characters) are
+    rendered by the daemon with the model's chat template, with the prompt of
+    the assistant's reply (``add_generation_prompt``), and tokenised without
+    adding special tokens (the template holds them); a model without a
+    template refuses them with ``INVALID_REQUEST``. A daemon older than the
+    field ignores it and refuses the request as having no prompt. ``sampling``: how tokens are picked and when the stream stops
     (:class:`SamplingParams`; ``stop`` strings end the stream before the
     matched text, which is not sent). ``priority``: lower is served first.
     ``queue_timeout_s`` bounds the wait before the first token is scheduled,
@@ -91,6 +112,7 @@ class Generate(Struct, tag="generate", **WIRE):
     queue_timeout_s: Seconds | None = None
     timeout_s: Seconds | None = None
     stream: bool = True
+    messages: Annotated[list[ChatMessage], Meta(max_length=MAX_CHAT_MESSAGES)] | None = None
 
 
 _SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
@@ -136,7 +158,15 @@ class Admin(Struct, tag="admin", **WIRE):
     settings: Annotated[dict[Annotated[str, Meta(max_length=64)], AdminValue], Meta(max_length=MAX_ADMIN_SETTINGS)]
 
 
-ClientMessage = Union[Generate, Cancel, Heartbeat, Status, Admin]
+class Metrics(Struct, tag="metrics", **WIRE):
+    """Ask for the daemon's Prometheus exposition (text format 0.0.4); answered by :class:`MetricsReply`.
+
+    Accepted on every socket (it changes nothing). A daemon older than this
+    message answers ``Error(id=None, code=INVALID_REQUEST)``.
+    """
+
+
+ClientMessage = Union[Generate, Cancel, Heartbeat, Status, Admin, Metrics]
 
 
 # --------------------------------------------------------------------------
@@ -275,9 +305,17 @@ class StatusReply(Struct, tag="status_reply", **WIRE):
     """Requests admitted and not yet ended (waiting, running, preempting, aborting)."""
     requests: list[RequestInfo] = []
     """The oldest open requests, oldest first: at most ``MAX_STATUS_REQUESTS`` of ``requests_open``."""
+    accepts_messages: bool = False
+    """The daemon takes ``Generate.messages`` (False from a daemon older than the field)."""
 
 
-ServerMessage = Union[Chunk, Error, HeartbeatAck, StatusReply]
+class MetricsReply(Struct, tag="metrics_reply", **WIRE):
+    """Answer to :class:`Metrics`: every metric of the daemon in Prometheus' text exposition format."""
+
+    text: str
+
+
+ServerMessage = Union[Chunk, Error, HeartbeatAck, StatusReply, MetricsReply]
 
 
 # --------------------------------------------------------------------------

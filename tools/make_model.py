@@ -50,6 +50,13 @@ PAD_TOKEN = "<pad>"
 # Order fixes the ids: <s> = 0, </s> = 1, <pad> = 2.
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
 
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+"""The default model's chat template (``tokenizer_config.json``): ``<s><|user|>\nhi</s>\n<|assistant|>\n``. The
+model never saw chats, so its replies are docstring prose; the template lets chat requests run end to end."""
+
 VOCAB_SIZE = 4096
 HIDDEN_SIZE = 256
 INTERMEDIATE_SIZE = 688
@@ -395,7 +402,8 @@ def train(
 
 
 def save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
-    """Write ``tokenizer.json`` and the transformers sidecar files into ``out``."""
+    """Write ``tokenizer.json`` and the transformers sidecar files into ``out``, :data:`CHAT_TEMPLATE` in
+    ``tokenizer_config.json`` (whatever file a transformers version would put it in)."""
     from transformers import PreTrainedTokenizerFast
 
     fast = PreTrainedTokenizerFast(
@@ -407,6 +415,10 @@ def save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
         model_max_length=MAX_POSITIONS,
     )
     fast.save_pretrained(out)
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def save_model(model, config, out: Path) -> None:

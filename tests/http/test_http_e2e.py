@@ -238,12 +238,6 @@ def test_chat_completions(daemon, tmp_path):
             assert info.value.body["code"] == "context_length_exceeded"
 
 
-def test_chat_without_a_template_is_a_typed_400(api):
-    with pytest.raises(openai.BadRequestError) as info:
-        api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
-    assert info.value.body["code"] == "chat_template_error" and "no chat template" in info.value.body["message"]
-
-
 def test_health_and_requests_without_a_daemon(tmp_path):
     with running_http(f"ipc://{tmp_path}/none.sock") as s:
         status, headers, body = raw(s.url, "/health")

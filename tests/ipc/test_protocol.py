@@ -247,3 +247,20 @@ def test_check_sampling_accepts_what_the_wire_accepts():
     P.check_sampling(P.SamplingParams(max_tokens=P.MAX_TOKENS_LIMIT, temperature=0, stop=("a",), stop_token_ids=[7]),
                      vocab_size=8)
     P.check_sampling(P.SamplingParams(stop_token_ids=[10**6]))  # no vocabulary given: only the wire's limits
+
+
+def test_generate_messages_and_metrics_round_trip():
+    msg = P.make_generate("c1", messages=[P.ChatMessage(role="user", content="hi")], max_tokens=3)
+    decoded = P.CLIENT_DECODER.decode(P.encode(msg))
+    assert decoded.messages == [P.ChatMessage(role="user", content="hi")] and decoded.prompt is None
+    assert P.CLIENT_DECODER.decode(P.encode(P.make_generate("c2", prompt="x"))).messages is None
+    frame = P.encode(P.Generate(id="c3", messages=[P.ChatMessage(role="")]))
+    with pytest.raises(P.DecodeError) as info:  # a role is required and bounded
+        P.CLIENT_DECODER.decode(frame)
+    assert "`messages[0]" in P.explain(info.value, frame)
+    assert isinstance(P.CLIENT_DECODER.decode(P.encode(P.Metrics())), P.Metrics)
+    assert P.SERVER_DECODER.decode(P.encode(P.MetricsReply(text="a 1\n"))).text == "a 1\n"
+    older = P.encode(P.StatusReply(version="v", ready=True, state="serving", uptime_s=0, waiting=0, running=0,
+                                   queue_size=0, max_concurrency=0, requests_total=0, tokens_generated_total=0,
+                                   workers=[]))
+    assert P.SERVER_DECODER.decode(older).accepts_messages is False
