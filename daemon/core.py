@@ -403,7 +403,12 @@ class FrontCore:
     # ------------------------------------------------------------ shutdown
 
     def request_stop(self, exit_code: int = 0) -> None:
-        """Begin the graceful stop (a signal, or a start failure): refuse new work, end the waiting."""
+        """Begin the graceful stop (a signal, a start failure): refuse new work, end the waiting; a second
+        stop while draining aborts the running streams at once (as a second Ctrl-C does)."""
+        if self.state == DaemonState.DRAINING:
+            log.info("stopping now: aborting %d running stream(s)", len(self.by_handle))
+            self._begin_abort()
+            return
         if self.state not in (DaemonState.STARTING, DaemonState.SERVING):
             return
         log.info("stopping: draining running streams (up to %.0f s)", self.config.drain_timeout_s)
@@ -434,20 +439,16 @@ class FrontCore:
         self._next_phase(ABORT_GRACE_S, self._stopped)
 
     def _stopped(self) -> None:
-        self._cancel_shutdown_timer()
+        self.shutdown_timer.cancel()
         self.state = DaemonState.STOPPED
         self.ports.stopped()
 
     def _next_phase(self, deadline_s: float, begin: Callable[[], None]) -> None:
         """Arm the current phase's deadline (which begins the next), then check whether it is done already."""
-        self._cancel_shutdown_timer()
-        self.shutdown_timer = self.ports.call_later(deadline_s, begin)
-        self.advance_shutdown()
-
-    def _cancel_shutdown_timer(self) -> None:
         if self.shutdown_timer is not None:
             self.shutdown_timer.cancel()
-            self.shutdown_timer = None
+        self.shutdown_timer = self.ports.call_later(deadline_s, begin)
+        self.advance_shutdown()
 
     def advance_shutdown(self) -> None:
         """Move the shutdown on when its phase's work is done (called after anything ends or is delivered)."""

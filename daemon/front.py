@@ -57,6 +57,7 @@ from ringstream.daemon.worker_pool import (
     ensure_open_files, open_files_needed,
 )
 from ringstream.ipc import protocol as P
+from ringstream.ipc.address import bind_private
 from ringstream.ipc.aio import SocketPump
 
 log = logging.getLogger("ringstream.front")
@@ -216,7 +217,7 @@ class Front:
             self.http = self._http_child()
         self.events = zmq.Socket(self.ctx, zmq.PULL)  # plain sockets, read by SocketPumps (ipc.aio)
         event_address = f"ipc://{rundir / f'{config.instance}.events'}"
-        self.events.bind(event_address)
+        bind_private(self.events, event_address)
         self.owned_paths.append(event_address[len("ipc://"):])
         workers = create_workers(config, self.devices, str(self.model.path), self.ctx, rundir, event_address)
         self.pool = WorkerPool(workers, self._on_worker_exit, on_restart=self.metrics.worker_restarts.inc)

@@ -35,6 +35,7 @@ from ringstream.daemon.config import Config
 from ringstream.daemon.http_child import READY, HttpSpec, http_main
 from ringstream.daemon.worker import WorkerSpec, worker_main
 from ringstream.ipc import protocol as P
+from ringstream.ipc.address import bind_private
 from ringstream.ipc.ring import Record, RingConsumer
 
 log = logging.getLogger("ringstream.workers")
@@ -203,7 +204,7 @@ def create_workers(
             commands.setsockopt(zmq.SNDHWM, 0)
             commands.setsockopt(zmq.LINGER, 0)
             address = f"ipc://{rundir / f'{config.instance}.w{index}.cmd'}"
-            commands.bind(address)
+            bind_private(commands, address)
             spec = WorkerSpec(
                 index=index, device=device, model_path=model_path,
                 dtype=("float32" if device == "cpu" else "bfloat16") if dtype == "auto" else dtype,

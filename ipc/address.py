@@ -149,3 +149,12 @@ def unix_socket_listening(path: str) -> bool:
     except (ConnectionRefusedError, FileNotFoundError):
         return False
     return True
+
+
+def bind_private(sock, address: str) -> None:
+    """Bind ``sock`` to an ipc ``address`` whose socket file only this user may use (mode 0600)."""
+    umask = os.umask(0o177)
+    try:
+        sock.bind(address)
+    finally:
+        os.umask(umask)

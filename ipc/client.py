@@ -213,10 +213,12 @@ class AsyncClient(ClientBase):
                 async with asyncio.timeout(wait):
                     await self._wakeup.wait()
 
-    async def generate(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
+    async def generate(self, prompt: str | list[int] | None = None, *, prompt_token_ids: list[int] | None = None,
                        id: str | None = None, **params) -> AsyncIterator[P.Chunk]:
         """Stream one generation: yields ``Chunk``s; the last has ``finish_reason``.
 
+        ``prompt``: text (tokenised by the daemon, BOS added) or a list of
+        token ids (as ``prompt_token_ids``, sent as they are).
         ``params`` are flat fields of :class:`ringstream.ipc.protocol.SamplingParams`
         and :class:`~ringstream.ipc.protocol.Generate`, with their defaults
         (:data:`GENERATE_DEFAULTS`): ``max_tokens`` (16),
@@ -238,7 +240,7 @@ class AsyncClient(ClientBase):
         finally:
             self._close_stream(stream)
 
-    async def complete(self, prompt: str | None = None, **params) -> Completion:
+    async def complete(self, prompt: str | list[int] | None = None, **params) -> Completion:
         """Run one generation to the end and return it whole (same arguments as :meth:`generate`)."""
         return join_chunks([chunk async for chunk in self.generate(prompt, **params)])
 
@@ -313,7 +315,7 @@ class Client(ClientBase):
                 self._on_frame(self._sock.recv())
                 return
 
-    def generate(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
+    def generate(self, prompt: str | list[int] | None = None, *, prompt_token_ids: list[int] | None = None,
                  id: str | None = None, **params) -> Iterator[P.Chunk]:
         """Stream one generation; arguments, defaults and errors as :meth:`AsyncClient.generate`."""
         rid, frame = self._request(prompt, prompt_token_ids, id, params)
@@ -326,7 +328,7 @@ class Client(ClientBase):
         finally:
             self._close_stream(stream)
 
-    def complete(self, prompt: str | None = None, **params) -> Completion:
+    def complete(self, prompt: str | list[int] | None = None, **params) -> Completion:
         """Run one generation to the end and return it whole (same arguments as :meth:`generate`)."""
         return join_chunks(list(self.generate(prompt, **params)))
 

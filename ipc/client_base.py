@@ -225,12 +225,14 @@ class ClientBase:
 
     # -- requests -----------------------------------------------------------------------------
 
-    def _request(self, prompt: str | None, prompt_token_ids: list[int] | None, rid: str | None,
+    def _request(self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None, rid: str | None,
                  params: dict) -> tuple[str, bytes]:
         """A request id and the encoded ``Generate``; ValueError for an id open already, see :func:`_generate_frame`."""
         rid = rid or f"{self._prefix}-{next(self._ids)}"
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already open on this client")
+        if isinstance(prompt, (list, tuple)) and prompt_token_ids is None:  # token ids given as the prompt
+            prompt, prompt_token_ids = None, list(prompt)
         return rid, _generate_frame(rid, prompt, prompt_token_ids, params)
 
     def _before_request(self) -> float:

@@ -379,6 +379,19 @@ def test_an_abort_never_confirmed_is_ended_after_the_grace():
     assert core.state == DaemonState.STOPPED
 
 
+def test_a_second_stop_while_draining_aborts_at_once():
+    core, ports = make_core(drain_timeout_s=30.0)
+    worker_ready(core)
+    req = submit(core, "r1")
+    ports.take_commands()
+    core.request_stop()
+    assert core.state == DaemonState.DRAINING and not ports.commands
+    core.request_stop()
+    assert core.state == DaemonState.ABORTING and aborts(ports.take_commands()) == [req.handle]
+    core.on_ring([tokens(req, 2), [finish(req, P.FinishReason.CANCELLED)]])
+    assert ports.to_client()[-1].finish_reason == P.FinishReason.SHUTDOWN and core.state == DaemonState.STOPPED
+
+
 def test_a_stop_while_starting_stops_at_once():
     core, ports = make_core()
     core.request_stop()

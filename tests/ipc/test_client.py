@@ -168,6 +168,13 @@ def test_a_stop_string_is_sent_as_a_list_of_one(fake, make_client):
     assert [g.sampling.stop for g in fake.generates()] == [["\n"], ["\n", "."], []]
 
 
+def test_a_list_prompt_is_sent_as_token_ids(fake, make_client):
+    client = make_client(fake.address)
+    client.complete([5, 6, 7])
+    client.complete(prompt_token_ids=[8])
+    assert [(g.prompt, g.prompt_token_ids) for g in fake.generates()] == [(None, [5, 6, 7]), (None, [8])]
+
+
 def test_defaults_are_the_wire_defaults(fake, make_client):
     make_client(fake.address).complete("hi")
     [sent] = fake.generates()

@@ -68,6 +68,13 @@ def _mode(path: str) -> int:
     return stat.S_IMODE(os.stat(path).st_mode)
 
 
+def test_the_daemons_internal_sockets_are_owner_only(tmp_path):
+    with running_daemon(tmp_path, *SYNTHETIC) as d:
+        internal = sorted(p for p in (tmp_path / "ringstream").iterdir() if p.suffix in (".events", ".cmd"))
+        assert sorted(p.suffix for p in internal) == [".cmd", ".events"]  # one worker's commands, the workers' events
+        assert all(_mode(str(p)) == 0o600 for p in internal), {p.name: oct(_mode(str(p))) for p in internal}
+
+
 @needs_root
 def test_owner_only_modes_keep_other_uids_out(open_dir):
     with running_daemon(open_dir, *SYNTHETIC) as d:
