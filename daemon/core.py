@@ -37,7 +37,7 @@ from ringstream.daemon.request import DaemonState, Request, RequestStatus
 from ringstream.daemon.scheduler import Scheduler, SchedulerPolicy, WorkerBudget
 from ringstream.daemon.settings import change_settings
 from ringstream.ipc import protocol as P
-from ringstream.ipc.ring import KIND_ERROR, KIND_FINISH, KIND_TOKEN
+from ringstream.ipc.ring import KIND_ERROR, KIND_FINISH, KIND_PROMPT_LOGPROBS, KIND_TOKEN
 
 __all__ = ["ABORT_GRACE_S", "MAX_RESUMES", "FrontCore", "policy_of"]
 
@@ -288,6 +288,11 @@ class FrontCore:
                         aborted = req.status == RequestStatus.ABORTING
                         reason = req.abort_reason if aborted else finish.finish_reason
                         self.finish(req, reason, finish.stop_reason, flush=False)
+                elif rec.kind == KIND_PROMPT_LOGPROBS:
+                    entries = P.PROMPT_LOGPROBS_DECODER.decode(rec.payload)
+                    if rec.seq == 1 or req.prompt_logprobs is None:  # a recomputed prefill starts over
+                        req.prompt_logprobs = [None]
+                    req.prompt_logprobs += entries
                 elif rec.kind == KIND_ERROR:
                     error = P.WORKER_ERROR_DECODER.decode(rec.payload)
                     self.end(req, P.Error(id=req.id, code=error.code, message=error.message), flush=False)
@@ -313,7 +318,12 @@ class FrontCore:
         self.scheduler.grow(req)
         req.output_token_ids.append(rec.token_id)
         req.pending_ids.append(rec.token_id)
-        if rec.payload:
+        if rec.flags & P.FLAG_LOGPROBS:
+            token = P.TOKEN_PAYLOAD_DECODER.decode(rec.payload)
+            req.pending_logprobs.append(P.TokenLogprob(rec.token_id, token.logprob, token.top))
+            if token.text:
+                req.pending_text.append(token.text)
+        elif rec.payload:
             req.pending_text.append(rec.payload.decode())
 
     def _preemption_done(self, req: Request, finish: P.Finish) -> bool:
