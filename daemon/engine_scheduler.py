@@ -276,7 +276,10 @@ class StepScheduler:
                 stop_reason = token_id
             text = detokenizer.flush()
         else:
-            text = detokenizer.add_token(token_id, num_output > min_tokens)
+            if num_output > min_tokens:
+                text = detokenizer.add_token(token_id)
+            else:  # within min_tokens: no stop string may end here
+                text = detokenizer.add_token(token_id, False)
             if detokenizer.stop_string is not None:
                 finish_reason = FINISH_STOP
                 stop_reason = detokenizer.stop_string
