@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import msgspec
+
 import pytest
 
 from ringstream.daemon import openai_schema as S
@@ -45,9 +47,14 @@ def test_prompt_forms():
     ({"prompt": 3}, "prompt"),
     ({}, "prompt"),
     ({"prompt": "x", "seed": -1}, "seed"),
-    ({"prompt": "x", "logprobs": 2}, "logprobs"),
-    ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "logprobs": -1}, "logprobs"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "min_p": 1.5}, "min_p"),
+    ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
+    ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
 ])
 def test_bad_values_are_400_naming_the_param(body, param):
     with pytest.raises(S.ApiError) as info:
@@ -68,9 +75,28 @@ def test_unknown_fields_are_ignored_and_params_map_to_the_client():
                   "some_future_field": {"a": 1}, "presence_penalty": 0, "best_of": 1})
     assert S.generate_params(req, req.max_tokens, stream=False) == {
         "stream": False, "max_tokens": 9, "temperature": 0.0, "top_p": 0.5, "seed": 3, "stop": ["\n"],
-        "stop_token_ids": [2], "ignore_eos": True, "priority": -4}
+        "stop_token_ids": [2], "ignore_eos": True, "priority": -4, "presence_penalty": 0.0}
     assert S.generate_params(decode({"prompt": "x", "top_k": 5, "stop": ["a", "b"]}), None, True) == {
         "stream": True, "top_k": 5, "stop": ["a", "b"]}
+
+
+def test_penalties_and_logprobs_map_to_the_client():
+    req = decode({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
+                  "min_p": 0.05, "min_tokens": 3, "logprobs": 2, "echo": True})
+    assert S.generate_params(req, None, stream=False) == {
+        "stream": False, "presence_penalty": 0.5, "frequency_penalty": -1.0, "repetition_penalty": 1.2,
+        "min_p": 0.05, "min_tokens": 3, "logprobs": 2, "prompt_logprobs": 2}
+    assert S.generate_params(decode({"prompt": "x", "echo": True}), None, True) == {"stream": True}
+    chat = S.decode_request(msgspec.json.encode({"messages": [{"role": "user", "content": "hi"}],
+                                                 "logprobs": True, "top_logprobs": 4}), S.ChatCompletionRequest)
+    assert S.generate_params(chat, 5, True) == {"stream": True, "max_tokens": 5, "logprobs": 4}
+    plain = S.decode_request(b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": false}',
+                             S.ChatCompletionRequest)
+    assert "logprobs" not in S.generate_params(plain, 5, True)
+    with pytest.raises(S.ApiError) as info:
+        S.decode_request(b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}',
+                         S.ChatCompletionRequest)
+    assert (info.value.status, info.value.param) == (400, "top_logprobs")
 
 
 def test_errors_map_to_http_statuses():
