@@ -306,3 +306,13 @@ def test_logprobs_echo_and_penalties_over_the_synthetic_engine(api, daemon, tmp_
             streamed_lps = [c.logprob for ch in chunks if ch.choices and ch.choices[0].logprobs
                             for c in ch.choices[0].logprobs.content]
             assert streamed_lps == [-0.5, -0.5]
+
+
+def test_long_prompt_logprobs_cross_several_ring_records(daemon):
+    prompt = [(7 * i) % 400 + 3 for i in range(450)]  # 449 entries of 20 tops: four PROMPT_LOGPROBS records
+    with Client(daemon.address) as client:
+        done = client.complete(prompt_token_ids=prompt, max_tokens=2, prompt_logprobs=20, logprobs=20)
+    assert done.prompt_token_ids == prompt and done.prompt_logprobs[0] is None
+    assert [e.token_id for e in done.prompt_logprobs[1:]] == prompt[1:]
+    assert all(len(e.top) == 20 and e.top[0] == (e.token_id, -0.5) for e in done.prompt_logprobs[1:])
+    assert [e.token_id for e in done.logprobs] == done.token_ids and len(done.logprobs) == 2
