@@ -298,3 +298,17 @@ def test_a_mixed_batch_gives_every_row_what_it_gets_alone(tiny, prompt):
                 assert [e.logprob for e in b.prompt_logprobs] == pytest.approx(
                     [e.logprob for e in a.prompt_logprobs], abs=1e-4)
     assert all(math.isfinite(e.logprob) for e in together[6][0].prompt_logprobs)
+
+
+def test_prompt_logprobs_survive_a_preemption_mid_prefill(tiny, prompt):
+    params = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2, ignore_eos=True)
+    alone = run(make_engine(tiny), [EngineRequest(1, prompt, params)])[1]
+    engine = make_engine(tiny, max_num_seqs=2, max_num_batched_tokens=3, block_size=4, num_blocks=12,
+                         max_model_len=40)
+    busy = EngineRequest(2, prompt[:10], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    both = run(engine, [busy, EngineRequest(1, prompt, params, priority=1)])
+    assert engine.num_preemptions > 0
+    assert [o.token_id for o in both[1]] == [o.token_id for o in alone]
+    got, expected = both[1][0].prompt_logprobs, alone[0].prompt_logprobs
+    assert [e.token_id for e in got] == [e.token_id for e in expected] == prompt[1:]
+    assert [e.logprob for e in got] == pytest.approx([e.logprob for e in expected], abs=1e-4)
