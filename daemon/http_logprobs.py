@@ -22,6 +22,13 @@ __all__ = ["TokenStrings", "chat_logprobs", "completion_logprobs"]
 
 MAX_CACHED_TOKENS = 1 << 18
 """Most decoded token strings kept (a vocabulary's worth for most models)."""
+MIN_LOGPROB = -9999.0
+"""Logprobs below this (``-inf`` of a token the model rules out) are reported as this, as vLLM does, so that
+the JSON stays numbers."""
+
+
+def _clamp(value: float) -> float:
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB
 
 
 class TokenStrings:
@@ -59,8 +66,8 @@ def completion_logprobs(entries: list[P.TokenLogprob | None], ids: list[int], na
             values.append(None)
             tops.append(None)
         else:
-            values.append(entry.logprob)
-            tops.append({names(t): lp for t, lp in entry.top})
+            values.append(_clamp(entry.logprob))
+            tops.append({names(t): _clamp(lp) for t, lp in entry.top})
     return S.CompletionLogprobs(tokens, values, tops, offsets)
 
 
@@ -73,6 +80,6 @@ def chat_logprobs(entries: list[P.TokenLogprob], names: TokenStrings) -> S.ChatL
     content = []
     for entry in entries:
         text = names(entry.token_id)
-        top = [S.TopLogprob(names(t), lp, _bytes(names(t))) for t, lp in entry.top]
-        content.append(S.ChatTokenLogprob(text, entry.logprob, _bytes(text), top))
+        top = [S.TopLogprob(names(t), _clamp(lp), _bytes(names(t))) for t, lp in entry.top]
+        content.append(S.ChatTokenLogprob(text, _clamp(entry.logprob), _bytes(text), top))
     return S.ChatLogprobs(content)

@@ -186,3 +186,21 @@ def test_seeded_samples_of_one_prompt_get_their_own_seeds():
         (0, "a", 0), (1, "a", 1), (2, "a", 2), (3, "b", 0), (4, "b", 1), (5, "b", 2)]
     assert [job_params(j, {"seed": 7})["seed"] for j in jobs] == [7, 8, 9, 7, 8, 9]
     assert all("seed" not in job_params(j, {"max_tokens": 2}) for j in jobs)
+
+
+def test_logprobs_bodies_from_token_logprobs():
+    from ringstream.daemon import http_logprobs as L
+    from ringstream.ipc import protocol as P
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(f"<{i}>" for i in ids)
+
+    names = L.TokenStrings(Tok())
+    body = L.completion_logprobs([None, P.TokenLogprob(5, -0.5, [(5, -0.5), (6, float("-inf"))])], [4, 5], names)
+    assert (body.tokens, body.token_logprobs, body.text_offset) == (["<4>", "<5>"], [None, -0.5], [0, 3])
+    assert body.top_logprobs == [None, {"<5>": -0.5, "<6>": L.MIN_LOGPROB}]
+    chat = L.chat_logprobs([P.TokenLogprob(7, -1.0, [(7, -1.0)])], names)
+    assert msgspec.json.decode(S.JSON_ENCODER.encode(chat)) == {"content": [{
+        "token": "<7>", "logprob": -1.0, "bytes": list(b"<7>"),
+        "top_logprobs": [{"token": "<7>", "logprob": -1.0, "bytes": list(b"<7>")}]}], "refusal": None}
