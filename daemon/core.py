@@ -37,7 +37,7 @@ from ringstream.daemon.request import DaemonState, Request, RequestStatus
 from ringstream.daemon.scheduler import Scheduler, SchedulerPolicy, WorkerBudget
 from ringstream.daemon.settings import change_settings
 from ringstream.ipc import protocol as P
-from ringstream.ipc.ring import KIND_ERROR, KIND_FINISH, KIND_TOKEN
+from ringstream.ipc.ring import KIND_ERROR, KIND_FINISH, KIND_PROMPT_LOGPROBS, KIND_TOKEN
 
 __all__ = ["ABORT_GRACE_S", "MAX_RESUMES", "FrontCore", "policy_of"]
 
@@ -288,6 +288,8 @@ class FrontCore:
                         aborted = req.status == RequestStatus.ABORTING
                         reason = req.abort_reason if aborted else finish.finish_reason
                         self.finish(req, reason, finish.stop_reason, flush=False)
+                elif rec.kind == KIND_PROMPT_LOGPROBS:
+                    add_prompt_logprobs(req, rec)
                 elif rec.kind == KIND_ERROR:
                     error = P.WORKER_ERROR_DECODER.decode(rec.payload)
                     self.end(req, P.Error(id=req.id, code=error.code, message=error.message), flush=False)
@@ -313,8 +315,7 @@ class FrontCore:
         self.scheduler.grow(req)
         req.output_token_ids.append(rec.token_id)
         req.pending_ids.append(rec.token_id)
-        if rec.payload:
-            req.pending_text.append(rec.payload.decode())
+        add_token_payload(req, rec)
 
     def _preemption_done(self, req: Request, finish: P.Finish) -> bool:
         """A preempted request's worker confirmed the abort: back to the queue, resumable."""
@@ -459,3 +460,28 @@ class FrontCore:
                 self._begin_flush()
             case DaemonState.FLUSHING if not self.outbox.blocked:
                 self._stopped()
+
+
+def add_token_payload(req: Request, rec) -> None:
+    """A TOKEN record's payload becomes pending for ``req``'s next chunk: its text, and with
+    ``FLAG_LOGPROBS`` (a :class:`ringstream.ipc.protocol.TokenPayload`) its logprobs too."""
+    if not rec.flags & P.FLAG_LOGPROBS:
+        if rec.payload:
+            req.pending_text.append(rec.payload.decode())
+        return
+    token = P.TOKEN_PAYLOAD_DECODER.decode(rec.payload)
+    req.pending_logprobs.append(P.TokenLogprob(rec.token_id, token.logprob, token.top))
+    if token.text:
+        req.pending_text.append(token.text)
+
+
+def add_prompt_logprobs(req: Request, rec) -> None:
+    """A PROMPT_LOGPROBS record: a slice of ``req``'s prompt logprobs from prompt position ``rec.seq``.
+
+    The first slice (``seq`` 1: a prefill computed again after a preemption
+    starts over) puts the first prompt token's None in front.
+    """
+    entries = P.PROMPT_LOGPROBS_DECODER.decode(rec.payload)
+    if rec.seq == 1 or req.prompt_logprobs is None:
+        req.prompt_logprobs = [None]
+    req.prompt_logprobs += entries

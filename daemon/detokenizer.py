@@ -104,14 +104,15 @@ class IncrementalDetokenizer:
 
     __slots__ = ("_tokenizer", "_stream", "_scanner", "_emitted", "_ids")
 
-    def __init__(self, tokenizer, stop: Sequence[str] = (), prior_token_ids: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer, stop: Sequence[str] = (), prior_token_ids: Sequence[int] = (),
+                 min_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
         self._stream = _new_stream()
         self._scanner = StopScanner(stop)
         self._emitted: list[str] = []
         self._ids: list[int] = []
-        for token_id in prior_token_ids:
-            self.add_token(token_id)
+        for index, token_id in enumerate(prior_token_ids):
+            self.add_token(token_id, index >= min_tokens)
 
     @property
     def stop_string(self) -> str | None:
@@ -123,11 +124,13 @@ class IncrementalDetokenizer:
         """All text emitted so far (the concatenation of the returned deltas)."""
         return "".join(self._emitted)
 
-    def add_token(self, token_id: int) -> str:
+    def add_token(self, token_id: int, check_stops: bool = True) -> str:
         """Feed one output token and return the text delta to send now (may be "").
 
         An id the tokenizer does not know decodes to nothing (``tokenizers``
-        skips it).
+        skips it). ``check_stops=False`` (a token within ``min_tokens``): no
+        stop string may end in this token's text, though a later one may
+        start in it (:meth:`ringstream.daemon.stops.StopScanner.add`).
         """
         if self._scanner.stop_string is not None:
             return ""
@@ -135,7 +138,7 @@ class IncrementalDetokenizer:
         chunk = self._stream.step(self._tokenizer, token_id)
         if not chunk:
             return ""
-        delta = self._scanner.add(chunk)
+        delta = self._scanner.add(chunk, check_stops)
         self._emitted.append(delta)
         return delta
 

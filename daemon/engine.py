@@ -390,7 +390,8 @@ class Engine(BaseEngine):
         prompt = req.prompt_token_ids
         output = req.output_token_ids
         stop_ids, user_stop_ids = check_request(req, self.max_model_len, self.vocab_size, self.eos_token_ids)
-        detokenizer = IncrementalDetokenizer(self._tokenizer, params.stop, prior_token_ids=output)
+        detokenizer = IncrementalDetokenizer(self._tokenizer, params.stop, prior_token_ids=output,
+                                             min_tokens=params.min_tokens)
         if detokenizer.stop_string is not None:
             raise ValueError("output_token_ids already contain a stop string")
         greedy = params.temperature <= GREEDY_TEMPERATURE_EPS
@@ -412,6 +413,9 @@ class Engine(BaseEngine):
             top_k=params.top_k if 0 < params.top_k < self.vocab_size else self.vocab_size,
             top_p=float(params.top_p),
             priority=req.priority,
+            processed=(params.penalized or params.min_p > 0.0 or params.min_tokens > len(output)
+                       or params.logprobs is not None or params.prompt_logprobs is not None),
+            want_prompt_logprobs=params.prompt_logprobs is not None and not output,
         )
 
     # ------------------------------------------------------------ execution

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 
-from ringstream.ipc.protocol import SamplingParams, check_sampling
+from ringstream.ipc.protocol import SamplingParams, TokenLogprob, check_sampling
 
 __all__ = [
     "BaseEngine",
@@ -21,6 +21,7 @@ __all__ = [
     "PromptTooLong",
     "RequestError",
     "SamplingParams",
+    "TokenLogprob",
     "TokenOutput",
     "check_request",
 ]
@@ -72,6 +73,10 @@ class TokenOutput:
             request; None for EOS and for "length" (vLLM's convention).
         num_prompt_tokens: prompt length, on the last output only.
         num_output_tokens: output length, on the last output only.
+        logprobs: the token's logprobs, for a request with ``params.logprobs`` set, else None.
+        prompt_logprobs: on the first output token of a request with
+            ``params.prompt_logprobs`` set (and no resumed output): one entry per
+            prompt token after the first; else None.
     """
 
     handle: int
@@ -82,6 +87,8 @@ class TokenOutput:
     stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    logprobs: TokenLogprob | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(slots=True)

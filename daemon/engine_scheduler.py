@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     import torch
 
     from ringstream.daemon.detokenizer import IncrementalDetokenizer
+    from ringstream.ipc.wire import TokenLogprob
 
 __all__ = ["WATERMARK_FRACTION", "SequenceState", "StepScheduler"]
 
@@ -55,6 +56,13 @@ class SequenceState:
     at the next step). ``handle`` is None for the engine's internal requests
     (warmup, start check). ``started`` orders running sequences by admission;
     ``hashes`` are the prefix-cache keys of its full blocks so far.
+
+    ``processed``: the request needs the model runner's slow path (penalties,
+    ``min_p``, ``min_tokens`` or logprobs; the default path has none of them).
+    ``want_prompt_logprobs``: its prompt logprobs are computed during prefill
+    into ``prompt_logprobs`` (entry ``i`` for prompt token ``i + 1``), and it
+    takes no prefix-cache hit. ``next_logprob`` is the sampled token's
+    logprobs, left by the model runner for :meth:`StepScheduler.advance`.
     """
 
     seq_id: int
@@ -76,6 +84,10 @@ class SequenceState:
     started: int = 0
     running: bool = False
     hashes: list[bytes] = field(default_factory=list)
+    processed: bool = False
+    want_prompt_logprobs: bool = False
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    next_logprob: TokenLogprob | None = None
 
 
 class StepScheduler:
@@ -181,9 +193,11 @@ class StepScheduler:
             num_tokens = len(seq.token_ids)
             hashes = self.block_hashes(seq)
             reserve = self.watermark if self.running else 0
-            if not blocks.can_allocate(num_tokens + reserve * self.block_size, hashes, num_tokens - 1):
+            # Prompt logprobs need the logits of every prompt position: no cached prefix (vLLM's rule).
+            most_cached = 0 if seq.want_prompt_logprobs and not seq.request.output_token_ids else num_tokens - 1
+            if not blocks.can_allocate(num_tokens + reserve * self.block_size, hashes, most_cached):
                 break
-            seq.num_computed = blocks.allocate(seq.seq_id, num_tokens, hashes, num_tokens - 1)
+            seq.num_computed = blocks.allocate(seq.seq_id, num_tokens, hashes, most_cached)
             self.waiting.popleft()
             seq.running = True
             seq.started = self._next_start
@@ -244,7 +258,9 @@ class StepScheduler:
         """Record a sampled token, apply the stop conditions, emit its ``TokenOutput``.
 
         Order of checks (vLLM's): EOS / stop token, then stop string, then
-        length (``max_tokens`` or the context limit).
+        length (``max_tokens`` or the context limit). Within ``min_tokens``
+        neither stop tokens (the sampler masks them) nor stop strings end the
+        request (vLLM's ``check_stop`` and detokenizer).
         """
         output_ids = seq.request.output_token_ids
         output_ids.append(token_id)
@@ -253,22 +269,33 @@ class StepScheduler:
         detokenizer = seq.detokenizer
         finish_reason = None
         stop_reason = None
-        if token_id in seq.stop_token_ids:
+        min_tokens = seq.request.params.min_tokens
+        if token_id in seq.stop_token_ids and num_output > min_tokens:
             finish_reason = FINISH_STOP
             if token_id in seq.user_stop_token_ids:
                 stop_reason = token_id
             text = detokenizer.flush()
         else:
-            text = detokenizer.add_token(token_id)
+            if num_output > min_tokens:
+                text = detokenizer.add_token(token_id)
+            else:  # within min_tokens: no stop string may end here
+                text = detokenizer.add_token(token_id, False)
             if detokenizer.stop_string is not None:
                 finish_reason = FINISH_STOP
                 stop_reason = detokenizer.stop_string
             elif num_output >= seq.max_output_tokens:
                 finish_reason = FINISH_LENGTH
                 text += detokenizer.flush()
+        if seq.processed:
+            out = TokenOutput(seq.handle, num_output - 1, token_id, text, logprobs=seq.next_logprob)
+            seq.next_logprob = None
+            if seq.want_prompt_logprobs and num_output == 1:
+                out.prompt_logprobs = seq.prompt_logprobs
+        else:
+            out = TokenOutput(seq.handle, num_output - 1, token_id, text)
+        outputs.append(out)
         if finish_reason is None:
-            outputs.append(TokenOutput(seq.handle, num_output - 1, token_id, text))
             return
-        outputs.append(TokenOutput(seq.handle, num_output - 1, token_id, text, finish_reason, stop_reason,
-                                   seq.num_prompt_tokens, num_output))
+        out.finish_reason, out.stop_reason = finish_reason, stop_reason
+        out.num_prompt_tokens, out.num_output_tokens = seq.num_prompt_tokens, num_output
         self.release(seq)

@@ -21,9 +21,11 @@ from typing import Awaitable, Callable
 from aiohttp import web
 
 from ringstream.daemon import http_generation as G
+from ringstream.daemon import http_logprobs as L
 from ringstream.daemon import openai_schema as S
 from ringstream.daemon.chat_template import ChatTemplate, ChatTemplateError, render_chat_prompt
 from ringstream.daemon.http_limits import BODY_TIMEOUT_S, WRITE_TIMEOUT_S
+from ringstream.ipc import protocol as P
 from ringstream.ipc.client import AsyncClient
 from ringstream.ipc.errors import InvalidRequest, RingstreamError
 
@@ -90,6 +92,7 @@ class HttpApi:
         self.chat_template_path = chat_template
         self._model: ServedModel | None = None
         self._tokenizer = None
+        self._names: L.TokenStrings | None = None
         self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._errors, self._auth])
         self.app.add_routes([
             web.post("/v1/completions", self.completions),
@@ -164,15 +167,26 @@ class HttpApi:
 
         A long prompt is tokenised on a thread (``tokenizers`` releases the GIL), so that other streams go on.
         """
+        self._load_tokenizer(served)
+        if len(text) < LONG_PROMPT_CHARS:
+            return self._tokenizer.encode(text, add_special_tokens=False).ids
+        return (await asyncio.to_thread(self._tokenizer.encode_batch, [text], add_special_tokens=False))[0].ids
+
+    def _load_tokenizer(self, served: ServedModel):
+        """The model's tokenizer, loaded on first use; ApiError 500 when it cannot be."""
         if self._tokenizer is None:
             from tokenizers import Tokenizer  # no torch: only the tokenizer's own library
             try:
                 self._tokenizer = Tokenizer.from_file(str(Path(served.path) / "tokenizer.json"))
             except Exception as exc:  # tokenizers raises plain Exception subclasses
                 raise S.ApiError(500, f"cannot load the model's tokenizer: {exc}", "server_error") from None
-        if len(text) < LONG_PROMPT_CHARS:
-            return self._tokenizer.encode(text, add_special_tokens=False).ids
-        return (await asyncio.to_thread(self._tokenizer.encode_batch, [text], add_special_tokens=False))[0].ids
+            self._names = L.TokenStrings(self._tokenizer)
+        return self._tokenizer
+
+    def _token_strings(self, served: ServedModel) -> L.TokenStrings:
+        """Token strings for logprobs, from this process's tokenizer (the front spends nothing on them)."""
+        self._load_tokenizer(served)
+        return self._names
 
     # -- endpoints ----------------------------------------------------------------------------
 
@@ -230,16 +244,45 @@ class HttpApi:
         jobs = G.jobs_of(prompts, req.n or 1)
         params = S.generate_params(req, req.max_tokens, bool(req.stream))
         rid, created = G.new_id("cmpl"), G.now_s()
+        asked = req.logprobs is not None
+        names = self._token_strings(served) if asked or (req.echo and any(isinstance(p, list) for p in prompts)) \
+            else None
 
-        def event(job: G.Job, text: str, finish: str | None, first: bool) -> S.CompletionBody:
-            return S.CompletionBody(rid, created, served.name, [S.CompletionChoice(job.index, text, finish)])
+        def echoed(job: G.Job) -> str:
+            return "" if not req.echo else job.prompt if isinstance(job.prompt, str) else names.decode(job.prompt)
+
+        offsets: dict[int, int] = {}
+
+        def logprobs(index: int, ids: list[int], entries: list) -> S.CompletionLogprobs:
+            body = L.completion_logprobs(entries, ids, names, offsets.get(index, 0))
+            if body.tokens:
+                offsets[index] = body.text_offset[-1] + len(body.tokens[-1])
+            return body
+
+        def event(job: G.Job, chunk: P.Chunk, finish: str | None, first: bool) -> S.CompletionBody:
+            text, body = chunk.text, None
+            if first:
+                text = echoed(job) + text
+            if asked:
+                ids, entries = list(chunk.token_ids), list(chunk.logprobs or ())
+                if req.echo and chunk.prompt_logprobs is not None:
+                    ids, entries = (chunk.prompt_token_ids or []) + ids, chunk.prompt_logprobs + entries
+                body = logprobs(job.index, ids, entries)
+            return S.CompletionBody(rid, created, served.name, [S.CompletionChoice(job.index, text, finish, body)])
 
         if req.stream:
             usage = (lambda u: S.CompletionBody(rid, created, served.name, [], usage=u)) \
                 if req.stream_options is not None and req.stream_options.include_usage else None
             return await G.stream_sse(request, self.client, jobs, params, event, usage, self.write_timeout_s)
         got = await G.gather(self.client, jobs, params)
-        choices = [S.CompletionChoice(i, got.text(i), got.finish.get(i)) for i in range(len(jobs))]
+        choices = []
+        for job in jobs:
+            i, body = job.index, None
+            if asked:
+                prompt_ids, prompt_entries = got.prompt_logprobs.get(i, ([], [])) if req.echo else ([], [])
+                body = logprobs(i, prompt_ids + got.token_ids.get(i, []),
+                                list(prompt_entries) + got.logprobs.get(i, []))
+            choices.append(S.CompletionChoice(i, echoed(job) + got.text(i), got.finish.get(i), body))
         return await G.send_json(request, S.CompletionBody(rid, created, served.name, choices, usage=got.usage()),
                                  self.write_timeout_s)
 
@@ -257,16 +300,22 @@ class HttpApi:
         params = S.generate_params(req, max_tokens, bool(req.stream))
         rid, created = G.new_id("chatcmpl"), G.now_s()
 
-        def event(job: G.Job, text: str, finish: str | None, first: bool) -> S.ChatChunkBody:
+        names = self._token_strings(served) if req.logprobs else None
+
+        def event(job: G.Job, chunk: P.Chunk, finish: str | None, first: bool) -> S.ChatChunkBody:
+            text = chunk.text
             delta = S.Delta(role="assistant", content=text) if first else S.Delta(content=text or None)
-            return S.ChatChunkBody(rid, created, served.name, [S.ChatChunkChoice(job.index, delta, finish)])
+            body = L.chat_logprobs(chunk.logprobs or [], names) if names is not None else None
+            return S.ChatChunkBody(rid, created, served.name, [S.ChatChunkChoice(job.index, delta, finish, body)])
 
         if req.stream:
             usage = (lambda u: S.ChatChunkBody(rid, created, served.name, [], usage=u)) \
                 if req.stream_options is not None and req.stream_options.include_usage else None
             return await G.stream_sse(request, self.client, jobs, params, event, usage, self.write_timeout_s)
         got = await G.gather(self.client, jobs, params)
-        choices = [S.ChatChoice(i, S.AssistantMessage(got.text(i)), got.finish.get(i)) for i in range(len(jobs))]
+        choices = [S.ChatChoice(i, S.AssistantMessage(got.text(i)), got.finish.get(i),
+                                L.chat_logprobs(got.logprobs.get(i, []), names) if names is not None else None)
+                   for i in range(len(jobs))]
         return await G.send_json(request, S.ChatCompletionBody(rid, created, served.name, choices, got.usage()),
                                  self.write_timeout_s)
 

@@ -162,7 +162,7 @@ def as_api_error(exc: Exception) -> S.ApiError:
 
 @dataclass
 class Choices:
-    """The text, finish reason and token counts of every choice of one answer."""
+    """The text, finish reason, token counts and (when asked) logprobs of every choice of one answer."""
 
     count: int
     texts: dict[int, list[str]] = field(default_factory=dict)
@@ -170,9 +170,19 @@ class Choices:
     prompt_tokens: dict[int, int] = field(default_factory=dict)
     """Prompt tokens of each prompt (counted once whatever ``n``)."""
     completion_tokens: int = 0
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+    logprobs: dict[int, list[P.TokenLogprob]] = field(default_factory=dict)
+    """Each choice's token logprobs, for a request that asked."""
+    prompt_logprobs: dict[int, tuple[list[int], list[P.TokenLogprob | None]]] = field(default_factory=dict)
+    """Each choice's prompt token ids and logprobs, for a request that asked (``echo`` with ``logprobs``)."""
 
     def add(self, job: Job, chunk: P.Chunk) -> None:
         self.texts.setdefault(job.index, []).append(chunk.text)
+        if chunk.logprobs is not None:
+            self.token_ids.setdefault(job.index, []).extend(chunk.token_ids)
+            self.logprobs.setdefault(job.index, []).extend(chunk.logprobs)
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs[job.index] = (chunk.prompt_token_ids or [], chunk.prompt_logprobs)
         if chunk.finish_reason is not None:
             self.finish[job.index] = S.finish_reason(chunk.finish_reason)
             if chunk.usage is not None:
@@ -198,8 +208,8 @@ async def gather(client: AsyncClient, jobs: list[Job], params: dict) -> Choices:
     return choices
 
 
-EventMaker = Callable[[Job, str, "str | None", bool], "S.CompletionBody | S.ChatChunkBody"]
-"""``(job, text, finish_reason, first piece of this choice) -> the event's body``."""
+EventMaker = Callable[[Job, P.Chunk, "str | None", bool], "S.CompletionBody | S.ChatChunkBody"]
+"""``(job, chunk, finish_reason, first piece of this choice) -> the event's body``."""
 UsageMaker = Callable[[S.UsageBody], "S.CompletionBody | S.ChatChunkBody"]
 
 
@@ -237,11 +247,11 @@ async def stream_sse(request: web.Request, client: AsyncClient, jobs: list[Job],
                     break
                 choices.add(job, item)
                 finish = S.finish_reason(item.finish_reason)
-                if not item.text and finish is None:
+                if not item.text and finish is None and not item.logprobs:
                     continue
                 first = job.index not in started
                 started.add(job.index)
-                await send(b"data: " + encode(make_event(job, item.text, finish, first)) + b"\n\n")
+                await send(b"data: " + encode(make_event(job, item, finish, first)) + b"\n\n")
             else:
                 if make_usage is not None:
                     await send(b"data: " + encode(make_usage(choices.usage())) + b"\n\n")

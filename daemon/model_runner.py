@@ -8,6 +8,15 @@ attention metadata from their block tables
 engine's paged attention and cache, and samples the next token of every
 sequence whose known tokens are then all computed (vLLM v1's GPU model runner,
 ``vllm/v1/worker/gpu_model_runner.py``).
+
+Requests with penalties, ``min_p``, ``min_tokens`` or logprobs take a second
+path (:meth:`ModelRunner._sample_processed`) in vLLM's order: raw logprobs
+(``log_softmax`` of the model's logits) of the rows that ask, the
+``min_tokens`` mask of EOS and stop token ids, the penalties of the rows
+that have them, then :func:`ringstream.daemon.sampler.sample`. A batch with
+none of them takes the path it always took. Prompt logprobs: the forward
+keeps the logits of every prompt position of a sequence that asks for them
+(``logits_to_keep``), chunk by chunk of a chunked prefill.
 """
 
 from __future__ import annotations
@@ -19,7 +28,9 @@ import torch
 from ringstream.daemon.block_manager import BlockManager
 from ringstream.daemon.engine_scheduler import SequenceState
 from ringstream.daemon.kv_cache import PagedKVCache, build_metadata
-from ringstream.daemon.sampler import SamplingTensors, sample, token_seed
+from ringstream.daemon.sampler import (
+    SamplingTensors, apply_penalties, gather_logprobs, mask_tokens, sample, token_seed,
+)
 
 __all__ = ["ModelRunner"]
 
@@ -67,12 +78,15 @@ class ModelRunner:
         far for ``items`` is then not accounted as computed).
         """
         decodes, prefills, input_ids, positions, rows, sampled = [], [], [], [], [], []
+        prompt_rows: list[tuple[SequenceState, int, int, int]] = []  # (seq, first row, first position, count)
         for seq, num_new in items:
             if num_new == 1:
                 pos = seq.num_computed
                 decodes.append((self._blocks.block_table(seq.seq_id), pos))
                 input_ids.append(seq.token_ids[pos])
                 positions.append(pos)
+                if seq.want_prompt_logprobs and pos + 1 < seq.num_prompt_tokens:
+                    prompt_rows.append((seq, len(decodes) - 1, pos, 1))
                 if pos + 1 == len(seq.token_ids):
                     rows.append(len(decodes) - 1)
                     sampled.append(seq)
@@ -83,10 +97,15 @@ class ModelRunner:
                 prefills.append((self._blocks.block_table(seq.seq_id), start, num_new))
                 input_ids += seq.token_ids[start:start + num_new]
                 positions += range(start, start + num_new)
+                if seq.want_prompt_logprobs and start + 1 < seq.num_prompt_tokens:
+                    prompt_rows.append((seq, row, start, min(num_new, seq.num_prompt_tokens - 1 - start)))
                 row += num_new
                 if start + num_new == len(seq.token_ids):
                     rows.append(row - 1)
                     sampled.append(seq)
+        num_sampled = len(rows)
+        for _, first, _, count in prompt_rows:
+            rows += range(first, first + count)
         device = self.device
         meta = build_metadata(decodes, prefills, self.block_size, device)
         meta.scratch = self.cache.scratch(meta.max_gather_blocks)
@@ -101,18 +120,86 @@ class ModelRunner:
             paged=meta,
             **{self.cache_kwarg: self.cache},
         )
-        if not sampled:
-            return []
         logits = out.logits[0]
+        if prompt_rows:
+            prompt_logprobs = self._prompt_logprobs(logits[num_sampled:], prompt_rows)
+            logits = logits[:num_sampled]
+        if not sampled:
+            if prompt_rows:
+                self._keep_prompt_logprobs(prompt_rows, prompt_logprobs)
+            return []
         if self.captured is not None:
             self.captured.append(logits.detach().clone())
-        if any(not seq.greedy for seq in sampled):
+        if any(seq.processed for seq in sampled):
+            tokens = self._sample_processed(logits, sampled)
+        elif any(not seq.greedy for seq in sampled):
             tokens = sample(logits, self._sampling_tensors(sampled))
         else:
             tokens = logits.argmax(dim=-1)
+        if prompt_rows:
+            self._keep_prompt_logprobs(prompt_rows, prompt_logprobs)
         # Keep order with ``items``: map each sampled sequence to its token.
         by_seq = dict(zip(sampled, tokens.tolist()))
         return [by_seq.get(seq) for seq, _ in items]
+
+    def _sample_processed(self, logits: torch.Tensor, batch: list[SequenceState]) -> torch.Tensor:
+        """Sample ``batch`` (``logits``: ``[len(batch), vocab]``) with raw logprobs, the ``min_tokens`` mask and
+        the penalties (module docstring); leaves each asking sequence's ``next_logprob``. Returns ``[n]`` int64."""
+        params = [seq.request.params for seq in batch]
+        asking = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw = logits[asking].float().log_softmax(dim=-1) if asking else None
+        work = logits.float().clone()
+        mask_rows, mask_ids = [], []
+        for i, (seq, p) in enumerate(zip(batch, params)):
+            if len(seq.request.output_token_ids) < p.min_tokens:
+                mask_rows += [i] * len(seq.stop_token_ids)
+                mask_ids += seq.stop_token_ids
+        mask_tokens(work, mask_rows, mask_ids)
+        penalized = [i for i, p in enumerate(params) if p.penalized]
+        if penalized:
+            device = self.device
+            chosen = [params[i] for i in penalized]
+            work[penalized] = apply_penalties(
+                work[penalized],
+                [batch[i].token_ids[:batch[i].num_prompt_tokens] for i in penalized],
+                [batch[i].token_ids[batch[i].num_prompt_tokens:] for i in penalized],
+                torch.tensor([p.presence_penalty for p in chosen], dtype=torch.float32, device=device),
+                torch.tensor([p.frequency_penalty for p in chosen], dtype=torch.float32, device=device),
+                torch.tensor([p.repetition_penalty for p in chosen], dtype=torch.float32, device=device),
+            )
+        if all(seq.greedy for seq in batch):
+            tokens = work.argmax(dim=-1)
+        else:
+            tensors = self._sampling_tensors(batch)
+            if any(p.min_p > 0.0 for p in params):
+                tensors.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=self.device)
+            tokens = sample(work, tensors)
+        if asking:
+            found = gather_logprobs(raw, tokens[asking], [params[i].logprobs for i in asking])
+            for i, logprob in zip(asking, found):
+                batch[i].next_logprob = logprob
+        return tokens
+
+    def _prompt_logprobs(self, logits: torch.Tensor, prompt_rows: list) -> list:
+        """The logprobs of the next prompt token at each kept prompt position (``logits``: their rows, in order)."""
+        targets = []
+        for seq, _, first, count in prompt_rows:
+            targets += seq.token_ids[first + 1:first + 1 + count]
+        logprobs = logits.float().log_softmax(dim=-1)
+        num_top = [seq.request.params.prompt_logprobs for seq, _, _, count in prompt_rows for _ in range(count)]
+        return gather_logprobs(logprobs, torch.tensor(targets, dtype=torch.long, device=logits.device), num_top)
+
+    @staticmethod
+    def _keep_prompt_logprobs(prompt_rows: list, found: list) -> None:
+        """Append the step's prompt logprobs to their sequences (positions computed again after a preemption
+        are already there and are skipped)."""
+        at = 0
+        for seq, _, first, count in prompt_rows:
+            kept = seq.prompt_logprobs
+            for offset in range(count):
+                if first + offset == len(kept):
+                    kept.append(found[at + offset])
+            at += count
 
     def _sampling_tensors(self, batch: list[SequenceState]) -> SamplingTensors:
         device = self.device

@@ -6,13 +6,16 @@ with :func:`decode_request` into :class:`CompletionRequest` or
 an out-of-range value raises :class:`ApiError` 400 naming the parameter.
 Unknown fields are ignored, as OpenAI clients send fields of newer API
 versions. :func:`generate_params` turns a request into the keyword
-arguments of :meth:`ringstream.ipc.client.AsyncClient.generate`. Fields the
-daemon cannot honour (``logprobs``, ``echo``, ``suffix``, non-zero
-penalties, ``logit_bias``, ``best_of`` above ``n``, tools) are refused with
-400 rather than silently ignored.
+arguments of :meth:`ringstream.ipc.client.AsyncClient.generate`: the
+sampling fields, the penalties (``presence_penalty``, ``frequency_penalty``,
+and vLLM's ``repetition_penalty``, ``min_p``, ``min_tokens``), completions'
+``logprobs`` (an int; with ``echo`` the prompt's too) and chat's
+``logprobs`` / ``top_logprobs``. Fields the daemon cannot honour
+(``suffix``, ``logit_bias``, ``best_of`` above ``n``, tools) are refused
+with 400 rather than silently ignored.
 
 Responses are Structs encoded with :data:`JSON_ENCODER`; ``logprobs`` is
-always ``null``. The error body is OpenAI's ``{"error": {"message", "type",
+``null`` unless asked (:mod:`ringstream.daemon.http_logprobs` builds it). The error body is OpenAI's ``{"error": {"message", "type",
 "param", "code"}}`` (:meth:`ApiError.body`); :func:`api_error_from` maps the
 client library's typed exceptions onto HTTP statuses.
 """
@@ -127,10 +130,13 @@ class _Sampling(Struct, forbid_unknown_fields=False, kw_only=True):
     stop: StopStrings | None = None
     seed: Annotated[int, Meta(ge=0, le=P.MAX_SEED)] | None = None
     user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: Annotated[float, Meta(ge=-P.MAX_PENALTY, le=P.MAX_PENALTY)] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-P.MAX_PENALTY, le=P.MAX_PENALTY)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=P.MAX_REPETITION_PENALTY)] | None = None
+    """vLLM's: 1 switches it off."""
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    min_tokens: Annotated[int, Meta(ge=0, le=P.MAX_TOKENS_LIMIT)] | None = None
     logit_bias: dict[str, float] | None = None
-    logprobs: Any = None
     top_k: Annotated[int, Meta(ge=-1, le=P.MAX_TOKEN_ID)] | None = None
     """vLLM's: 0 or -1 switch it off."""
     stop_token_ids: Annotated[list[TokenId], Meta(max_length=P.MAX_STOP_TOKEN_IDS)] | None = None
@@ -144,7 +150,10 @@ class CompletionRequest(_Sampling, kw_only=True):
 
     prompt: Union[str, list[PromptItem]]
     max_tokens: Annotated[int, Meta(ge=1, le=P.MAX_TOKENS_LIMIT)] | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=P.MAX_LOGPROBS)] | None = None
+    """Top logprobs per token (0: the sampled token's only)."""
     echo: bool | None = None
+    """Prepend the prompt to the text (and, with ``logprobs``, its tokens' logprobs, the first null)."""
     suffix: str | None = None
     best_of: int | None = None
 
@@ -168,6 +177,8 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=MAX_MESSAGES)]
     max_tokens: Annotated[int, Meta(ge=1, le=P.MAX_TOKENS_LIMIT)] | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1, le=P.MAX_TOKENS_LIMIT)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=P.MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     """vLLM's: end the rendered prompt with the assistant's turn header."""
     chat_template_kwargs: dict[str, Any] | None = None
@@ -199,21 +210,16 @@ def decode_request(body: bytes, kind: type[_Sampling]) -> _Sampling:
 
 def _refuse_unsupported(req: _Sampling) -> None:
     """ApiError 400 for a parameter the daemon cannot honour (never ignored silently)."""
-    if req.logprobs not in (None, False, 0):
-        raise bad_request("logprobs are not supported", "logprobs")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0, 0.0):
-            raise bad_request(f"{name} is not supported (only 0)", name)
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise bad_request("echo is not supported", "echo")
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != (req.n or 1):
             raise bad_request("best_of other than n is not supported", "best_of")
     elif isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         if req.tools or req.tool_choice not in (None, "none"):
             raise bad_request("tools are not supported", "tools")
         rf = req.response_format
@@ -276,6 +282,16 @@ def generate_params(req: _Sampling, max_tokens: int | None, stream: bool) -> dic
         params["ignore_eos"] = True
     if req.priority is not None:
         params["priority"] = req.priority
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens"):
+        value = getattr(req, name)
+        if value is not None:
+            params[name] = value
+    if isinstance(req, CompletionRequest) and req.logprobs is not None:
+        params["logprobs"] = req.logprobs
+        if req.echo:
+            params["prompt_logprobs"] = req.logprobs
+    elif isinstance(req, ChatCompletionRequest) and req.logprobs:
+        params["logprobs"] = req.top_logprobs or 0
     return params
 
 
@@ -302,11 +318,41 @@ class UsageBody(Struct):
     total_tokens: int
 
 
+class CompletionLogprobs(Struct):
+    """A completion choice's ``logprobs``: per token its string, logprob, top ``{string: logprob}`` and its
+    offset in the choice's text (the echoed prompt's first token has null logprob and top)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    """A chat choice's (or chunk's) ``logprobs``: one entry per generated token."""
+
+    content: list[ChatTokenLogprob]
+    refusal: None = None
+
+
 class CompletionChoice(Struct):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionBody(Struct):
@@ -329,7 +375,7 @@ class ChatChoice(Struct):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionBody(Struct):
@@ -350,7 +396,7 @@ class ChatChunkChoice(Struct):
     index: int
     delta: Delta
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatChunkBody(Struct):

@@ -75,6 +75,10 @@ class Outbox:
             msg = final
         else:
             msg = P.Chunk(id=req.id, seq=req.chunk_seq, text="".join(req.pending_text), token_ids=req.pending_ids)
+            if req.msg.sampling.logprobs is not None:
+                msg.logprobs = req.pending_logprobs
+            if req.prompt_logprobs is not None and req.pending_ids:
+                msg.prompt_logprobs, msg.prompt_token_ids = req.prompt_logprobs, req.prompt_token_ids
             if final is not None:
                 msg.finish_reason, msg.stop_reason, msg.usage = final.finish_reason, final.stop_reason, final.usage
         result = self.ports.send(req.client, msg) if req.client else "gone"
@@ -82,6 +86,11 @@ class Outbox:
             req.chunk_seq += 1
             req.pending_text = []
             req.pending_ids = []
+            if isinstance(msg, P.Chunk):
+                if msg.logprobs:
+                    req.pending_logprobs = []
+                if msg.prompt_logprobs is not None:
+                    req.prompt_logprobs = None
             self.blocked.pop(req.handle, None)
             if final is not None:
                 self.forget(req)

@@ -107,6 +107,10 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     pending_text: list[str] = field(default_factory=list)
     pending_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[P.TokenLogprob] = field(default_factory=list)
+    """Logprobs of ``pending_ids`` (a request with ``sampling.logprobs``)."""
+    prompt_logprobs: list[P.TokenLogprob | None] | None = None
+    """Its prompt logprobs as the worker sent them, until the first chunk carries them."""
     timers: list = field(default_factory=list)
     """Its deadline timers (``Ports.call_later`` handles), cancelled when it ends."""
     queue_timer: object | None = None

@@ -1,11 +1,29 @@
 """Batched next-token sampling for the generation engine.
 
 One call turns a batch of logits into one token per row, each row with its own
-sampling parameters (greedy, temperature, top-k, top-p, seed). The engine keeps
-the per-request parameters and hands the rows of the current batch to
-``sample``; nothing here loops over the vocabulary in Python.
+sampling parameters (greedy, temperature, min-p, top-k, top-p, seed). The
+engine keeps the per-request parameters and hands the rows of the current
+batch to ``sample``; nothing here loops over the vocabulary in Python.
+:func:`apply_penalties`, :func:`mask_tokens` and :func:`gather_logprobs` are
+the steps the model runner applies around it for the rows that ask, in vLLM's
+order (``Sampler.forward`` in ``vllm/v1/sample/sampler.py``): raw logprobs
+first, then the ``min_tokens`` mask and the penalties, then ``sample``
+(greedy argmax, or temperature, min-p, top-k / top-p and the draw).
 
 Methods:
+
+* Penalties (:func:`apply_penalties`), vLLM's ``apply_penalties``
+  (``vllm/model_executor/layers/utils.py``, called from
+  ``vllm/v1/sample/ops/penalties.py``): token counts are built by one
+  ``scatter_add_`` over the rows' padded token ids; the repetition penalty
+  (CTRL, Keskar et al., 2019; Hugging Face's
+  ``RepetitionPenaltyLogitsProcessor``) divides the positive logits and
+  multiplies the others of every token seen in the prompt or the output; the
+  frequency penalty subtracts ``penalty * count`` and the presence penalty
+  ``penalty * (count > 0)``, both over the output only.
+* Min-p (vLLM's ``MinPLogitsProcessor``): after temperature, tokens with
+  probability below ``min_p * max probability`` are dropped, before top-k /
+  top-p.
 
 * Top-k then top-p, with vLLM's semantics (``apply_top_k_top_p`` in
   ``vllm/v1/sample/ops/topk_topp_sampler.py``; the top-p rule is Hugging Face's
@@ -36,7 +54,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["TOP_P_CANDIDATES", "SamplingTensors", "sample", "token_seed", "top_k_top_p_threshold"]
+from ringstream.ipc.wire import TokenLogprob
+
+__all__ = ["TOP_P_CANDIDATES", "SamplingTensors", "apply_penalties", "gather_logprobs", "mask_tokens", "sample",
+           "token_seed", "top_k_top_p_threshold"]
 
 _MASK_64 = (1 << 64) - 1
 # SplitMix64 constants (Steele, Lea and Flood, "Fast Splittable Pseudorandom
@@ -82,6 +103,7 @@ class SamplingTensors:
         any_greedy: at least one row is greedy.
         use_top_k: at least one row has top-k filtering on.
         use_top_p: at least one row has top-p filtering on.
+        min_p: ``[n]`` float32 in ``[0, 1]`` (0 = off), or None when no row has it.
         seeded_rows: ``(row, generator)`` for rows with a per-request seed; each
             generator is already seeded for this token (see ``token_seed``).
         generator: generator for the remaining random rows; None uses torch's
@@ -98,6 +120,7 @@ class SamplingTensors:
     use_top_p: bool
     seeded_rows: list[tuple[int, torch.Generator]] = field(default_factory=list)
     generator: torch.Generator | None = None
+    min_p: torch.Tensor | None = None
 
 
 def top_k_top_p_threshold(
@@ -171,11 +194,15 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
 
     Greedy rows take ``argmax`` (lowest index on ties, as ``torch.argmax`` and
     Hugging Face ``generate`` do). Random rows divide by their temperature,
-    apply top-k / top-p, softmax, and draw with the exponential race.
+    apply min-p, then top-k / top-p, softmax, and draw with the exponential race.
     """
     if params.all_greedy:
         return logits.argmax(dim=-1)
     scaled = logits.float() / params.temperature.unsqueeze(1)
+    if params.min_p is not None:
+        probs = scaled.softmax(dim=-1)
+        floor = probs.amax(dim=-1, keepdim=True) * params.min_p.unsqueeze(1)
+        scaled.masked_fill_(probs < floor, float("-inf"))
     if params.use_top_k or params.use_top_p:
         threshold = top_k_top_p_threshold(
             scaled,
@@ -194,3 +221,72 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     if params.any_greedy:
         sampled = torch.where(params.greedy, logits.argmax(dim=-1), sampled)
     return sampled
+
+
+def _token_counts(token_ids: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[len(token_ids), vocab]`` int32 occurrence counts of each row's ids (one ``scatter_add_``)."""
+    width = max((len(ids) for ids in token_ids), default=0)
+    counts = torch.zeros((len(token_ids), vocab + 1), dtype=torch.int32, device=device)
+    if width:
+        padded = torch.tensor([ids + [vocab] * (width - len(ids)) for ids in token_ids], dtype=torch.long,
+                              device=device)
+        counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.int32))
+    return counts[:, :vocab]
+
+
+def apply_penalties(logits: torch.Tensor, prompt_ids: list[list[int]], output_ids: list[list[int]],
+                    presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+    """Apply the repetition, frequency and presence penalties (module docstring) to every row of ``logits``.
+
+    Args:
+        logits: ``[n, vocab]`` float32 logits, modified in place.
+        prompt_ids: each row's prompt token ids (only the repetition penalty reads them).
+        output_ids: each row's output token ids so far.
+        presence, frequency: ``[n]`` float32 penalties (0 = off).
+        repetition: ``[n]`` float32 in ``(0, inf)`` (1 = off).
+
+    Returns:
+        ``logits``.
+    """
+    n, vocab = logits.shape
+    device = logits.device
+    output_counts = _token_counts(output_ids, vocab, device)
+    output_seen = output_counts > 0
+    if bool((repetition != 1.0).any()):
+        seen = output_seen | (_token_counts(prompt_ids, vocab, device) > 0)
+        factor = torch.where(seen, repetition.unsqueeze(1), torch.ones((), device=device))
+        logits.copy_(torch.where(logits > 0, logits / factor, logits * factor))
+    logits.sub_(frequency.unsqueeze(1) * output_counts)
+    logits.sub_(presence.unsqueeze(1) * output_seen)
+    return logits
+
+
+def mask_tokens(logits: torch.Tensor, rows: list[int], token_ids: list[int]) -> None:
+    """Set ``logits[rows[i], token_ids[i]]`` to ``-inf`` for every ``i`` (in place; the ``min_tokens`` mask)."""
+    if rows:
+        index = (torch.tensor(rows, dtype=torch.long, device=logits.device),
+                 torch.tensor(token_ids, dtype=torch.long, device=logits.device))
+        logits.index_put_(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprob]:
+    """Each row's token logprob and its ``num_top[row]`` most likely ``(token id, logprob)`` pairs.
+
+    Args:
+        logprobs: ``[n, vocab]`` float32 log-probabilities (``log_softmax`` of the raw logits).
+        token_ids: ``[n]`` int64, the token of each row (sampled, or the prompt's next).
+        num_top: ``n`` counts in ``[0, vocab]``.
+
+    Returns:
+        ``n`` :class:`ringstream.ipc.wire.TokenLogprob`, ``top`` most likely first
+        (ties: lower index first, as ``torch.topk`` on CPU gives them).
+    """
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+    ids = token_ids.tolist()
+    most = max(num_top, default=0)
+    if not most:
+        return [TokenLogprob(token_id, value) for token_id, value in zip(ids, chosen)]
+    values, indices = logprobs.topk(most, dim=-1)
+    values, indices = values.tolist(), indices.tolist()
+    return [TokenLogprob(token_id, value, list(zip(indices[i][:k], values[i][:k])))
+            for i, (token_id, value, k) in enumerate(zip(ids, chosen, num_top))]

@@ -37,13 +37,22 @@ class StopScanner:
         self._held = ""
         self.stop_string: str | None = None
 
-    def add(self, delta: str) -> str:
-        """Feed a text delta; return the part that is safe to send now (may be "")."""
+    def add(self, delta: str, check: bool = True) -> str:
+        """Feed a text delta; return the part that is safe to send now (may be "").
+
+        ``check=False``: no stop string may end inside this delta (the request's
+        ``min_tokens`` are not out yet); the suffix that could start one is
+        still held back, so a later delta may complete a stop string begun here.
+        """
         if self.stop_string is not None:
             return ""
         if not self._stops:
             return delta
         pending = self._held + delta
+        if not check:
+            hold = self._longest_stop_prefix_suffix(pending)
+            self._held = pending[len(pending) - hold:]
+            return pending[:len(pending) - hold]
         # A match must end inside the new delta, so it starts at most
         # max_stop_len - 1 characters before it.
         search_from = max(0, len(self._held) - self._max_stop_len + 1)

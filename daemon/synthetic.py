@@ -26,11 +26,19 @@ What it shares with ``Engine``:
 
 What it does differently: token ``seq`` of the request with handle ``h`` is
 ``(h * TOKEN_HANDLE_STRIDE + seq) % vocab_size`` whatever the sampling
-parameters (they are validated, then ignored), and its text delta is
+parameters (they are validated, then ignored: penalties, ``min_p``,
+temperature and filters change nothing; ``min_tokens`` keeps a stop token or
+stop string from ending the request before it, as in ``Engine``, though the
+stop token stays in the output), and its text delta is
 ``" t<seq>"`` (ASCII), so a client can check the order of a stream from its
 text alone. ``step()`` sleeps (``time.sleep``) for what remains of
 ``step_time_s`` after its own bookkeeping, so a worker loop driving it is
 paced like one driving a model whose forward takes ``step_time_s``.
+
+Logprobs are fake and deterministic (:func:`synthetic_logprob`): a token has
+logprob ``SYNTHETIC_LOGPROB`` and tops the list, the ``j``-th next entry
+being token ``(token_id + j) % vocab_size`` at ``SYNTHETIC_LOGPROB - j``;
+prompt token ``i >= 1`` gets the same with its own id.
 
 The engine is not thread-safe: call all methods from one thread.
 """
@@ -48,12 +56,13 @@ from ringstream.daemon.engine_api import (
     CapacityError,
     EngineError,
     EngineRequest,
+    TokenLogprob,
     TokenOutput,
     check_request,
 )
 from ringstream.daemon.stops import StopScanner
 
-__all__ = ["SyntheticEngine", "synthetic_text", "synthetic_token_id"]
+__all__ = ["SYNTHETIC_LOGPROB", "SyntheticEngine", "synthetic_logprob", "synthetic_text", "synthetic_token_id"]
 
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -68,6 +77,16 @@ TEXT_PREFIX = " t"
 def synthetic_token_id(handle: int, seq: int, vocab_size: int) -> int:
     """Token id number ``seq`` (0-based) of request ``handle``: ``(handle * 31 + seq) % vocab_size``."""
     return (handle * TOKEN_HANDLE_STRIDE + seq) % vocab_size
+
+
+SYNTHETIC_LOGPROB = -0.5
+"""The fake logprob of every generated (and prompt) token."""
+
+
+def synthetic_logprob(token_id: int, num_top: int, vocab_size: int) -> TokenLogprob:
+    """The fake logprobs of ``token_id`` with ``num_top`` top entries (module docstring)."""
+    top = [((token_id + j) % vocab_size, SYNTHETIC_LOGPROB - j) for j in range(num_top)]
+    return TokenLogprob(token_id, SYNTHETIC_LOGPROB, top)
 
 
 def synthetic_text(seq: int) -> str:
@@ -221,7 +240,7 @@ class SyntheticEngine(BaseEngine):
         stop_ids, user_stop_ids = check_request(req, self.max_model_len, self.vocab_size, self.eos_token_ids)
         scanner = StopScanner(params.stop)
         for seq_no in range(len(output)):
-            scanner.add(synthetic_text(seq_no))
+            scanner.add(synthetic_text(seq_no), seq_no >= params.min_tokens)
         if scanner.stop_string is not None:
             raise ValueError("output_token_ids already contain a stop string")
         return _Sequence(
@@ -247,33 +266,30 @@ class SyntheticEngine(BaseEngine):
         scanner = seq.scanner
         finish_reason = None
         stop_reason = None
-        if token_id in seq.stop_token_ids:
+        params = req.params
+        if token_id in seq.stop_token_ids and num_output > params.min_tokens:
             finish_reason = FINISH_STOP
             if token_id in seq.user_stop_token_ids:
                 stop_reason = token_id
             text = scanner.flush()
         else:
-            text = scanner.add(synthetic_text(seq_no))
+            text = scanner.add(synthetic_text(seq_no), num_output > params.min_tokens)
             if scanner.stop_string is not None:
                 finish_reason = FINISH_STOP
                 stop_reason = scanner.stop_string
             elif num_output >= seq.max_output_tokens:
                 finish_reason = FINISH_LENGTH
                 text += scanner.flush()
+        out = TokenOutput(req.handle, seq_no, token_id, text)
+        if params.logprobs is not None:
+            out.logprobs = synthetic_logprob(token_id, params.logprobs, self.vocab_size)
+        if params.prompt_logprobs is not None and seq_no == 0:
+            out.prompt_logprobs = [synthetic_logprob(t, params.prompt_logprobs, self.vocab_size)
+                                   for t in req.prompt_token_ids[1:]]
+        outputs.append(out)
         if finish_reason is None:
-            outputs.append(TokenOutput(req.handle, seq_no, token_id, text))
             return
-        outputs.append(
-            TokenOutput(
-                req.handle,
-                seq_no,
-                token_id,
-                text,
-                finish_reason,
-                stop_reason,
-                len(req.prompt_token_ids),
-                num_output,
-            )
-        )
+        out.finish_reason, out.stop_reason = finish_reason, stop_reason
+        out.num_prompt_tokens, out.num_output_tokens = len(req.prompt_token_ids), num_output
         del self._running[req.handle]
         del self._by_handle[req.handle]

@@ -8,7 +8,9 @@ boundaries (sockets stay out of the engine loop):
    heartbeat period when idle;
 2. run one engine step;
 3. write one TOKEN record per output (and a FINISH record for a request that
-   ended) into the ring, publish them at once, and ring the front's doorbell
+   ended) into the ring (a request that asks for logprobs gets them in its
+   TOKEN records' payload, flag ``FLAG_LOGPROBS``, and its prompt logprobs in
+   PROMPT_LOGPROBS records before its first TOKEN record), publish them at once, and ring the front's doorbell
    only when the front sleeps on it.
 
 When the ring is full the worker waits for a ``RingSpace`` doorbell: nothing is
@@ -37,7 +39,7 @@ import zmq
 from ringstream.daemon.engine_api import EngineRequest, PromptTooLong, RequestError
 from ringstream.daemon.proctitle import set_process_title, worker_title
 from ringstream.ipc import protocol as P
-from ringstream.ipc.ring import KIND_ERROR, KIND_FINISH, KIND_TOKEN, RingProducer
+from ringstream.ipc.ring import KIND_ERROR, KIND_FINISH, KIND_PROMPT_LOGPROBS, KIND_TOKEN, RingProducer
 
 log = logging.getLogger("ringstream.worker")
 
@@ -46,6 +48,9 @@ FAULT_INJECT_ENV = "RINGSTREAM_FAULT_INJECT"
 """Test hook: ``step_exception_every=N[,worker=I]``, see :class:`FaultInjector`."""
 WAIT_SPACE_POLL_MS = 1000
 """While waiting for ring space, re-check that the front lives this often."""
+
+PROMPT_LOGPROBS_RECORD_BYTES = 40_000
+"""Rough payload size of one PROMPT_LOGPROBS record (well under the ring's ``MAX_PAYLOAD``)."""
 
 FINISH_FLAGS = {reason: i for i, reason in enumerate(P.FinishReason)}
 """FINISH record ``flags``: the finish reason's index (the payload has it in full)."""
@@ -376,13 +381,27 @@ class Worker:
             self.handles.discard(out.handle)
             self._write_error(out.handle, P.ErrorCode.INTERNAL, out.message)
             return
-        self._write(KIND_TOKEN, 0, out.handle, out.seq, out.token_id, out.text.encode())
+        if out.prompt_logprobs is not None:
+            self._write_prompt_logprobs(out.handle, out.prompt_logprobs)
+        if out.logprobs is None:
+            self._write(KIND_TOKEN, 0, out.handle, out.seq, out.token_id, out.text.encode())
+        else:
+            payload = P.encode(P.TokenPayload(text=out.text, logprob=out.logprobs.logprob, top=out.logprobs.top))
+            self._write(KIND_TOKEN, P.FLAG_LOGPROBS, out.handle, out.seq, out.token_id, payload)
         if out.finish_reason is not None:
             self.handles.discard(out.handle)
             self._write_finish(out.handle, out.seq + 1, P.Finish(
                 finish_reason=P.FinishReason(out.finish_reason), stop_reason=out.stop_reason,
                 prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
             ))
+
+    def _write_prompt_logprobs(self, handle: int, entries: list) -> None:
+        """PROMPT_LOGPROBS records of ``entries`` (prompt tokens 1, 2, ...), ``seq`` the index of each slice's first."""
+        top = len(entries[0].top) if entries else 0
+        per_record = max(1, PROMPT_LOGPROBS_RECORD_BYTES // (24 + 16 * top))
+        for start in range(0, len(entries), per_record):
+            self._write(KIND_PROMPT_LOGPROBS, 0, handle, start + 1, 0,
+                        P.encode(entries[start:start + per_record]))
 
     def _write_finish(self, handle: int, seq: int, finish: P.Finish) -> None:
         self._write(KIND_FINISH, FINISH_FLAGS[finish.finish_reason], handle, seq, 0, P.encode(finish))

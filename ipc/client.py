@@ -224,10 +224,15 @@ class AsyncClient(ClientBase):
         (:data:`GENERATE_DEFAULTS`): ``max_tokens`` (16),
         ``temperature`` (1.0; 0 is greedy), ``top_p`` (1.0), ``top_k`` (0:
         off), ``seed``, ``stop`` (a string or a list of strings),
-        ``stop_token_ids``, ``ignore_eos``, ``priority`` (0; lower is served
-        first), ``queue_timeout_s`` and ``timeout_s`` (seconds), ``stream``;
-        ``messages`` instead of a prompt: a chat (``[{"role": "user",
-        "content": "..."}]``) the daemon renders with the model's chat template.
+        ``stop_token_ids``, ``ignore_eos``, ``presence_penalty``,
+        ``frequency_penalty`` (0), ``repetition_penalty`` (1.0), ``min_p`` (0),
+        ``min_tokens`` (0), ``logprobs`` and ``prompt_logprobs`` (None: off; an
+        int asks for that many top entries, each chunk then carries
+        ``Chunk.logprobs``, the first ``Chunk.prompt_logprobs``), ``priority``
+        (0; lower is served first), ``queue_timeout_s`` and ``timeout_s``
+        (seconds), ``stream``; ``messages`` instead of a prompt: a chat
+        (``[{"role": "user", "content": "..."}]``) the daemon renders with the
+        model's chat template.
         Raises a :class:`ServerError` subclass for an error reply,
         :class:`StreamOrderError`, :class:`DaemonUnavailable`, or TypeError
         for an unknown parameter.

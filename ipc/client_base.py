@@ -38,7 +38,13 @@ library, the CLI and raw protocol clients."""
 
 @dataclass
 class Completion:
-    """A whole generation, as returned by ``complete()``."""
+    """A whole generation, as returned by ``complete()``.
+
+    ``logprobs``: with the ``logprobs`` parameter, one
+    :class:`ringstream.ipc.protocol.TokenLogprob` per entry of ``token_ids``
+    (else None). ``prompt_logprobs`` / ``prompt_token_ids``: with
+    ``prompt_logprobs``, one entry per prompt token, None for the first.
+    """
 
     text: str
     token_ids: list[int]
@@ -46,14 +52,22 @@ class Completion:
     stop_reason: str | int | None
     usage: P.Usage | None
     chunks: int
+    logprobs: list[P.TokenLogprob] | None = None
+    prompt_logprobs: list[P.TokenLogprob | None] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 def join_chunks(chunks: list[P.Chunk]) -> Completion:
     """One :class:`Completion` of a whole stream's chunks (the last one has ``finish_reason``)."""
     last = chunks[-1]
+    asked = any(c.logprobs is not None for c in chunks)
+    first = next((c for c in chunks if c.prompt_logprobs is not None), None)
     return Completion(
         text="".join(c.text for c in chunks), token_ids=[t for c in chunks for t in c.token_ids],
         finish_reason=str(last.finish_reason), stop_reason=last.stop_reason, usage=last.usage, chunks=len(chunks),
+        logprobs=[lp for c in chunks for lp in c.logprobs or ()] if asked else None,
+        prompt_logprobs=first.prompt_logprobs if first else None,
+        prompt_token_ids=first.prompt_token_ids if first else None,
     )
 
 

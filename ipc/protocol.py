@@ -34,6 +34,9 @@ Versions (:data:`PROTOCOL_VERSION`):
   ``INVALID_REQUEST`` (``Expected `array`, got `int` - at `sampling```).
   ``Assign`` carries the same ``sampling`` array (front and workers are always
   the same version).
+  Appended since, with defaults (older peers keep working): ``SamplingParams``'
+  ``presence_penalty`` ... ``prompt_logprobs``; ``Chunk``'s ``logprobs``,
+  ``prompt_logprobs`` and ``prompt_token_ids``.
 * 1: the first layout.
 
 Limits (the ``Meta`` constraints) are part of the protocol: a frame that
@@ -53,10 +56,12 @@ from ringstream.ipc.wire import (  # noqa: F401  (re-exported: the protocol's on
     MAX_ADMIN_SETTINGS, MAX_FRAME_BYTES, MAX_ID_CHARS, MAX_OPEN_IDS, MAX_PROMPT_CHARS, MAX_PROMPT_TOKEN_IDS,
     MAX_SEED, MAX_STATUS_REQUESTS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE,
     MAX_TOKEN_ID, MAX_TOKENS_LIMIT, WIRE, ErrorCode, FinishReason, RequestId, SamplingParams, Seconds, TokenId,
+    TokenLogprob, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY,
     check_sampling, name_path,
 )
 from ringstream.ipc.worker_protocol import (  # noqa: F401  (re-exported)
-    COMMAND_DECODER, EVENT_DECODER, FINISH_DECODER, WORKER_ERROR_DECODER, Abort, Assign, Doorbell, Finish,
+    COMMAND_DECODER, EVENT_DECODER, FINISH_DECODER, PROMPT_LOGPROBS_DECODER, TOKEN_PAYLOAD_DECODER,
+    FLAG_LOGPROBS, WORKER_ERROR_DECODER, Abort, Assign, Doorbell, Finish, TokenPayload,
     RingSpace, Shutdown, WorkerCommand, WorkerError, WorkerEvent, WorkerHeartbeat, WorkerReady, WorkerStartFailed,
 )
 
@@ -190,6 +195,12 @@ class Chunk(Struct, tag="chunk", **WIRE):
     UTF-8 (a character split across tokens is sent whole, with the later
     token); ``token_ids`` are the tokens this chunk adds. The last chunk has
     ``finish_reason`` and ``usage`` set and may carry no text.
+
+    For a request with ``sampling.logprobs`` set, ``logprobs`` has one
+    :class:`TokenLogprob` per entry of ``token_ids`` (else None). For one with
+    ``sampling.prompt_logprobs`` set, the first chunk with tokens carries
+    ``prompt_token_ids`` and ``prompt_logprobs``: one entry per prompt token,
+    None for the first (it has no context).
     """
 
     id: str
@@ -199,6 +210,9 @@ class Chunk(Struct, tag="chunk", **WIRE):
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     usage: Usage | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class Error(Struct, tag="error", **WIRE):

@@ -28,6 +28,11 @@ MAX_TOKENS_LIMIT = 1_048_576
 MAX_TEMPERATURE = 100.0
 MAX_TOKEN_ID = 2**31 - 1
 MAX_SEED = 2**63 - 1
+MAX_PENALTY = 2.0
+"""``presence_penalty`` and ``frequency_penalty`` lie in ``[-MAX_PENALTY, MAX_PENALTY]`` (OpenAI's range)."""
+MAX_REPETITION_PENALTY = 100.0
+MAX_LOGPROBS = 20
+"""Most top logprobs per token (``logprobs``, ``prompt_logprobs``); vLLM's default ``max_logprobs``."""
 MAX_ADMIN_SETTINGS = 32
 MAX_OPEN_IDS = 65_536
 MAX_STATUS_REQUESTS = 100
@@ -94,6 +99,42 @@ class SamplingParams(Struct, frozen=True, **WIRE):
         stop_token_ids: at most ``MAX_STOP_TOKEN_IDS`` token ids that end the
             request after that token (it is in the output token ids and adds no text).
         ignore_eos: keep generating past the model's EOS token(s).
+        presence_penalty: in ``[-2, 2]``, subtracted once from the logit of
+            every token that occurs in the output so far (OpenAI's and vLLM's
+            semantics: output tokens only, the prompt does not count); 0 is off.
+        frequency_penalty: in ``[-2, 2]``, subtracted from each token's logit
+            once per occurrence in the output so far; 0 is off.
+        repetition_penalty: in ``(0, MAX_REPETITION_PENALTY]``; the logit of
+            every token of the prompt or the output so far is divided by it
+            where positive and multiplied by it where not (Keskar et al., 2019,
+            "CTRL"; Hugging Face's ``RepetitionPenaltyLogitsProcessor``; vLLM's
+            ``apply_penalties`` in ``vllm/model_executor/layers/utils.py``);
+            1.0 is off.
+        min_p: in ``[0, 1]``; after temperature, tokens whose probability is
+            below ``min_p`` times the most likely token's are dropped (vLLM's
+            ``MinPLogitsProcessor``, ``vllm/v1/sample/logits_processor``); 0 is
+            off; no effect on greedy rows.
+        min_tokens: in ``[0, max_tokens]``; until the output holds this many
+            tokens, EOS and ``stop_token_ids`` get no probability (they cannot
+            be sampled, greedy rows included) and stop strings are not looked
+            for; a stop string counts when a later token completes it, its
+            start may lie in the earlier text (vLLM: ``MinTokensLogitsProcessor``
+            and ``check_stop_strings`` only past ``min_tokens`` in
+            ``vllm/v1/engine/detokenizer.py``).
+        logprobs: None (off), or how many most likely tokens' logprobs each
+            output token carries besides its own, in ``[0, MAX_LOGPROBS]``
+            (0: only the sampled token's). They are the model's RAW logprobs,
+            ``log_softmax`` of its logits before penalties, temperature and
+            filters (vLLM's default ``logprobs_mode="raw_logprobs"``,
+            ``Sampler.compute_logprobs`` in ``vllm/v1/sample/sampler.py``).
+        prompt_logprobs: None (off), or as ``logprobs`` for every prompt
+            token after the first (the logprob of prompt token ``i`` given
+            tokens ``0..i-1``). A request asking for them skips the prefix
+            cache (every prompt position must be computed), as in vLLM.
+
+    Processing order of the logits (vLLM's ``Sampler.forward``): raw logprobs,
+    then ``min_tokens`` masking and the penalties, then greedy argmax or
+    temperature, ``min_p``, ``top_k``, ``top_p`` and the draw.
 
     Evolution: a new field goes at the end, with a default (an older peer then
     ignores it, a newer one reads the default from an older peer's shorter array).
@@ -110,6 +151,34 @@ class SamplingParams(Struct, frozen=True, **WIRE):
     ] = []
     stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
     ignore_eos: bool = False
+    presence_penalty: Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0.0
+    frequency_penalty: Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=MAX_REPETITION_PENALTY)] = 1.0
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    min_tokens: Annotated[int, Meta(ge=0, le=MAX_TOKENS_LIMIT)] = 0
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any of the three penalties is on."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+class TokenLogprob(Struct, frozen=True, **WIRE):
+    """The logprob of one token and, when asked, of the most likely tokens at its position.
+
+    Attributes:
+        token_id: the token (sampled, or the prompt's).
+        logprob: its natural-log probability under the model's raw distribution.
+        top: ``(token id, logprob)`` of the most likely tokens, most likely first
+            (as many as the request's ``logprobs`` / ``prompt_logprobs``; the
+            token itself may be among them).
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = []
 
 
 def check_sampling(params: SamplingParams, vocab_size: int | None = None) -> None:
@@ -118,12 +187,14 @@ def check_sampling(params: SamplingParams, vocab_size: int | None = None) -> Non
     The one check of sampling parameters, called by the front's validator and
     by every engine's ``check_request``: a decoded message meets the limits
     already, parameters built in Python (an engine driven directly) may not.
-    Raises ValueError naming the field (``... - at `top_p```).
+    Raises ValueError naming the field (``... - at `top_p```), or for ``min_tokens`` above ``max_tokens``.
     """
     try:
         msgspec.convert(msgspec.to_builtins(params), SamplingParams)
     except (msgspec.ValidationError, TypeError) as exc:
         raise ValueError(name_path(str(exc), SamplingParams)) from None
+    if params.min_tokens > params.max_tokens:
+        raise ValueError(f"min_tokens ({params.min_tokens}) must be <= max_tokens ({params.max_tokens})")
     if vocab_size is not None and params.stop_token_ids and max(params.stop_token_ids) >= vocab_size:
         raise ValueError(f"stop_token_ids: token id {max(params.stop_token_ids)} is outside the "
                          f"vocabulary of {vocab_size}")

@@ -3,7 +3,11 @@
 The front sends :data:`WorkerCommand` (ZeroMQ PUSH), each worker sends
 :data:`WorkerEvent` (PULL in the front); tokens go through the shared-memory
 ring (:mod:`ringstream.ipc.ring`), whose FINISH and ERROR records carry a
-msgpack-encoded :class:`Finish` or :class:`WorkerError`. Front and workers
+msgpack-encoded :class:`Finish` or :class:`WorkerError`. A TOKEN record's
+payload is its UTF-8 text, or, with the ``FLAG_LOGPROBS`` flag, a
+:class:`TokenPayload`; a PROMPT_LOGPROBS record carries a slice of a
+request's prompt logprobs (a msgpack list of :class:`TokenLogprob` or None,
+its ``seq`` the prompt position of the first). Front and workers
 are always one version (the front starts its workers), so these layouts may
 change between versions; the encoding is :mod:`ringstream.ipc.protocol`'s,
 which re-exports every name here.
@@ -16,7 +20,7 @@ from typing import Union
 import msgspec
 from msgspec import Struct
 
-from ringstream.ipc.wire import WIRE, ErrorCode, FinishReason, SamplingParams
+from ringstream.ipc.wire import WIRE, ErrorCode, FinishReason, SamplingParams, TokenLogprob
 
 # --------------------------------------------------------------------------
 # front -> worker
@@ -124,6 +128,19 @@ class Finish(Struct, **WIRE):
     completion_tokens: int = 0
 
 
+FLAG_LOGPROBS = 1
+"""TOKEN record flag: the payload is a :class:`TokenPayload` (text and logprobs), not plain text."""
+
+
+class TokenPayload(Struct, **WIRE):
+    """Payload of a TOKEN record with ``FLAG_LOGPROBS``: the token's text delta and its logprobs
+    (:class:`ringstream.ipc.wire.TokenLogprob`'s fields, the token id being the record's)."""
+
+    text: str
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
 class WorkerError(Struct, **WIRE):
     """Payload of an ERROR ring record: the request failed inside the worker."""
 
@@ -138,3 +155,5 @@ COMMAND_DECODER = msgspec.msgpack.Decoder(WorkerCommand)
 EVENT_DECODER = msgspec.msgpack.Decoder(WorkerEvent)
 FINISH_DECODER = msgspec.msgpack.Decoder(Finish)
 WORKER_ERROR_DECODER = msgspec.msgpack.Decoder(WorkerError)
+TOKEN_PAYLOAD_DECODER = msgspec.msgpack.Decoder(TokenPayload)
+PROMPT_LOGPROBS_DECODER = msgspec.msgpack.Decoder(list[TokenLogprob | None])

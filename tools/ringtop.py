@@ -74,6 +74,7 @@ from ringstream.ipc.address import check_address, client_socket, default_socket
 from ringstream.ipc.ring import (
     KIND_ERROR,
     KIND_FINISH,
+    KIND_PROMPT_LOGPROBS,
     KIND_TOKEN,
     SHM_DIR,
     Record,
@@ -127,7 +128,7 @@ VIEWS = (VIEW_AUTO, VIEW_SERVING, VIEW_RINGS)
 PROBE_TIMEOUT_S = 2.0
 """How long the start waits for the daemon's first status reply before it shows the rings, seconds."""
 
-KIND_NAMES = {KIND_TOKEN: "TOKEN", KIND_FINISH: "FINISH", KIND_ERROR: "ERROR"}
+KIND_NAMES = {KIND_TOKEN: "TOKEN", KIND_FINISH: "FINISH", KIND_ERROR: "ERROR", KIND_PROMPT_LOGPROBS: "PROMPT_LOGPROBS"}
 FINISH_REASONS = list(P.FinishReason)
 """A FINISH record's ``flags`` are the index of its reason in this list."""
 UNKNOWN_REASON = "unknown"
@@ -194,7 +195,14 @@ def decode_record(record: Record) -> dict[str, Any]:
         "token_id": record.token_id,
         "flags": record.flags,
     }
-    if record.kind == KIND_TOKEN:
+    if record.kind == KIND_TOKEN and record.flags & P.FLAG_LOGPROBS:
+        try:
+            token = P.TOKEN_PAYLOAD_DECODER.decode(record.payload)
+        except msgspec.DecodeError as exc:
+            out["payload_error"] = str(exc)
+        else:
+            out["text"], out["logprob"] = token.text, token.logprob
+    elif record.kind == KIND_TOKEN:
         out["text"] = record.payload.decode("utf-8", errors="replace")
     elif record.kind == KIND_FINISH:
         try:

@@ -23,7 +23,7 @@ Layout (all integers little-endian, offsets in bytes)::
     Record (8-byte aligned, never straddles the end of the data area):
 
     +0  u32 len       record bytes including this header, before padding
-    +4  u16 kind      1 TOKEN, 2 FINISH, 3 ERROR, 0xFFFF PAD
+    +4  u16 kind      1 TOKEN, 2 FINISH, 3 ERROR, 4 PROMPT_LOGPROBS, 0xFFFF PAD
     +6  u16 flags
     +8  u64 handle
     +16 u32 seq
@@ -78,8 +78,10 @@ MAX_PAYLOAD = 1 << 16
 KIND_TOKEN = 1
 KIND_FINISH = 2
 KIND_ERROR = 3
+KIND_PROMPT_LOGPROBS = 4
+"""A slice of one request's prompt logprobs, written before its first TOKEN record."""
 KIND_PAD = 0xFFFF
-DATA_KINDS = frozenset((KIND_TOKEN, KIND_FINISH, KIND_ERROR))
+DATA_KINDS = frozenset((KIND_TOKEN, KIND_FINISH, KIND_ERROR, KIND_PROMPT_LOGPROBS))
 
 U64_LIMIT = 1 << 64
 ALIGN_MASK = RECORD_ALIGN - 1

@@ -279,3 +279,20 @@ def test_daemon_streams_synthetic_tokens(tmp_path):
     assert len([t for c in chunks for t in c.token_ids]) == 6 and chunks[-1].finish_reason == "length"
     assert chunks[-1].usage.completion_tokens == 6
     assert (stopped.text, stopped.finish_reason, stopped.stop_reason) == (" t0 t1 t2 t3", "stop", " t4")
+
+
+def test_new_sampling_fields_are_accepted_min_tokens_holds_stops_and_logprobs_are_fixed():
+    from ringstream.daemon.synthetic import SYNTHETIC_LOGPROB
+    eos = synthetic_token_id(0, 2, VOCAB)
+    eng = engine(eos_token_ids=(eos,))
+    eng.add(request(0, max_tokens=10, min_tokens=4, presence_penalty=1.0, frequency_penalty=-1.0,
+                    repetition_penalty=1.5, min_p=0.2, stop=(" t1",), logprobs=2, prompt_logprobs=1))
+    outs = by_handle(run(eng))[0]
+    # EOS at seq 2 and the stop string at seq 1 fall within min_tokens=4: neither ends the request.
+    assert len(outs) == 10 and outs[-1].finish_reason == "length"
+    assert all(o.logprobs.logprob == SYNTHETIC_LOGPROB and len(o.logprobs.top) == 2 for o in outs)
+    assert [e.token_id for e in outs[0].prompt_logprobs] == [11, 12] and outs[1].prompt_logprobs is None
+    eng.add(request(1, max_tokens=10, min_tokens=1, stop=(" t1",)))
+    assert "".join(o.text for o in by_handle(run(eng))[1]) == " t0"
+    eng.add(request(2, max_tokens=4))
+    assert all(o.logprobs is None and o.prompt_logprobs is None for o in by_handle(run(eng))[2])

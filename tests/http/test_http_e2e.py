@@ -252,3 +252,61 @@ def daemon_model_dir() -> str:
     from pathlib import Path
     import ringstream.daemon
     return str(Path(ringstream.daemon.__file__).parent / "default_model")
+
+
+def test_logprobs_echo_and_penalties_over_the_synthetic_engine(api, daemon, tmp_path):
+    # The synthetic engine's logprobs are fake and fixed: -0.5 for each token, then -1.5, -2.5 for the next ids.
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(f"{daemon_model_dir()}/tokenizer.json")
+    prompt_ids = tok.encode("hello world").ids
+    done = api.completions.create(model=MODEL, prompt="hello world", max_tokens=3, logprobs=2, echo=True,
+                                  presence_penalty=0.5, frequency_penalty=0.5,
+                                  extra_body={"repetition_penalty": 1.1, "min_p": 0.1, "min_tokens": 1})
+    choice = done.choices[0]
+    assert choice.text == "hello world t0 t1 t2"
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(prompt_ids) + 3 == done.usage.prompt_tokens + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == [-0.5] * (len(prompt_ids) + 2)
+    assert all(max(top.values()) == -0.5 and set(top.values()) <= {-0.5, -1.5} for top in lp.top_logprobs[1:])
+    assert lp.tokens[:len(prompt_ids)] == [tok.decode([i], skip_special_tokens=False) for i in prompt_ids]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    plain = api.completions.create(model=MODEL, prompt="hello world", max_tokens=2, logprobs=0)
+    assert plain.choices[0].text == " t0 t1" and plain.choices[0].logprobs.token_logprobs == [-0.5, -0.5]
+    assert plain.choices[0].logprobs.top_logprobs == [{}, {}]
+    assert api.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].logprobs is None
+    streamed = list(api.completions.create(model=MODEL, prompt="hello world", max_tokens=3, logprobs=1, echo=True,
+                                           stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == "hello world t0 t1 t2"
+    tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    offsets = [o for c in streamed if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert len(tokens) == len(lp.tokens) and tokens[:len(prompt_ids)] == lp.tokens[:len(prompt_ids)]
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]  # one running offset
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHATML)
+    with running_http(daemon.address, "--chat-template", str(template)) as s:
+        with openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0) as chat_api:
+            messages = [{"role": "user", "content": "hi"}]
+            chat = chat_api.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, logprobs=True,
+                                                    top_logprobs=3)
+            content = chat.choices[0].logprobs.content
+            assert [c.logprob for c in content] == [-0.5, -0.5]
+            assert [[t.logprob for t in c.top_logprobs] for c in content] == [[-0.5, -1.5, -2.5]] * 2
+            assert all(c.bytes == list(c.token.encode()) for c in content)
+            assert chat_api.chat.completions.create(model=MODEL, messages=messages,
+                                                    max_tokens=1).choices[0].logprobs is None
+            chunks = list(chat_api.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                                           logprobs=True, stream=True))
+            streamed_lps = [c.logprob for ch in chunks if ch.choices and ch.choices[0].logprobs
+                            for c in ch.choices[0].logprobs.content]
+            assert streamed_lps == [-0.5, -0.5]
+
+
+def test_long_prompt_logprobs_cross_several_ring_records(daemon):
+    prompt = [(7 * i) % 400 + 3 for i in range(450)]  # 449 entries of 20 tops: four PROMPT_LOGPROBS records
+    with Client(daemon.address) as client:
+        done = client.complete(prompt_token_ids=prompt, max_tokens=2, prompt_logprobs=20, logprobs=20)
+    assert done.prompt_token_ids == prompt and done.prompt_logprobs[0] is None
+    assert [e.token_id for e in done.prompt_logprobs[1:]] == prompt[1:]
+    assert all(len(e.top) == 20 and e.top[0] == (e.token_id, -0.5) for e in done.prompt_logprobs[1:])
+    assert [e.token_id for e in done.logprobs] == done.token_ids and len(done.logprobs) == 2

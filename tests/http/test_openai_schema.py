@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import msgspec
+
 import pytest
 
 from ringstream.daemon import openai_schema as S
@@ -45,9 +47,14 @@ def test_prompt_forms():
     ({"prompt": 3}, "prompt"),
     ({}, "prompt"),
     ({"prompt": "x", "seed": -1}, "seed"),
-    ({"prompt": "x", "logprobs": 2}, "logprobs"),
-    ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "logprobs": -1}, "logprobs"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "min_p": 1.5}, "min_p"),
+    ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
+    ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
 ])
 def test_bad_values_are_400_naming_the_param(body, param):
     with pytest.raises(S.ApiError) as info:
@@ -68,9 +75,28 @@ def test_unknown_fields_are_ignored_and_params_map_to_the_client():
                   "some_future_field": {"a": 1}, "presence_penalty": 0, "best_of": 1})
     assert S.generate_params(req, req.max_tokens, stream=False) == {
         "stream": False, "max_tokens": 9, "temperature": 0.0, "top_p": 0.5, "seed": 3, "stop": ["\n"],
-        "stop_token_ids": [2], "ignore_eos": True, "priority": -4}
+        "stop_token_ids": [2], "ignore_eos": True, "priority": -4, "presence_penalty": 0.0}
     assert S.generate_params(decode({"prompt": "x", "top_k": 5, "stop": ["a", "b"]}), None, True) == {
         "stream": True, "top_k": 5, "stop": ["a", "b"]}
+
+
+def test_penalties_and_logprobs_map_to_the_client():
+    req = decode({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
+                  "min_p": 0.05, "min_tokens": 3, "logprobs": 2, "echo": True})
+    assert S.generate_params(req, None, stream=False) == {
+        "stream": False, "presence_penalty": 0.5, "frequency_penalty": -1.0, "repetition_penalty": 1.2,
+        "min_p": 0.05, "min_tokens": 3, "logprobs": 2, "prompt_logprobs": 2}
+    assert S.generate_params(decode({"prompt": "x", "echo": True}), None, True) == {"stream": True}
+    chat = S.decode_request(msgspec.json.encode({"messages": [{"role": "user", "content": "hi"}],
+                                                 "logprobs": True, "top_logprobs": 4}), S.ChatCompletionRequest)
+    assert S.generate_params(chat, 5, True) == {"stream": True, "max_tokens": 5, "logprobs": 4}
+    plain = S.decode_request(b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": false}',
+                             S.ChatCompletionRequest)
+    assert "logprobs" not in S.generate_params(plain, 5, True)
+    with pytest.raises(S.ApiError) as info:
+        S.decode_request(b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}',
+                         S.ChatCompletionRequest)
+    assert (info.value.status, info.value.param) == (400, "top_logprobs")
 
 
 def test_errors_map_to_http_statuses():
@@ -160,3 +186,21 @@ def test_seeded_samples_of_one_prompt_get_their_own_seeds():
         (0, "a", 0), (1, "a", 1), (2, "a", 2), (3, "b", 0), (4, "b", 1), (5, "b", 2)]
     assert [job_params(j, {"seed": 7})["seed"] for j in jobs] == [7, 8, 9, 7, 8, 9]
     assert all("seed" not in job_params(j, {"max_tokens": 2}) for j in jobs)
+
+
+def test_logprobs_bodies_from_token_logprobs():
+    from ringstream.daemon import http_logprobs as L
+    from ringstream.ipc import protocol as P
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(f"<{i}>" for i in ids)
+
+    names = L.TokenStrings(Tok())
+    body = L.completion_logprobs([None, P.TokenLogprob(5, -0.5, [(5, -0.5), (6, float("-inf"))])], [4, 5], names)
+    assert (body.tokens, body.token_logprobs, body.text_offset) == (["<4>", "<5>"], [None, -0.5], [0, 3])
+    assert body.top_logprobs == [None, {"<5>": -0.5, "<6>": L.MIN_LOGPROB}]
+    chat = L.chat_logprobs([P.TokenLogprob(7, -1.0, [(7, -1.0)])], names)
+    assert msgspec.json.decode(S.JSON_ENCODER.encode(chat)) == {"content": [{
+        "token": "<7>", "logprob": -1.0, "bytes": list(b"<7>"),
+        "top_logprobs": [{"token": "<7>", "logprob": -1.0, "bytes": list(b"<7>")}]}], "refusal": None}

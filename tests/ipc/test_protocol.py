@@ -211,15 +211,56 @@ def test_generate_carries_sampling_as_one_nested_array():
     sampling = P.SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=4, seed=11, stop=["a", "bc"],
                                 stop_token_ids=[3], ignore_eos=True)
     frame = P.encode(P.Generate(id="r", prompt_token_ids=[1], sampling=sampling, priority=2))
-    nested = [7, 0.5, 0.9, 4, 11, ["a", "bc"], [3], True]
+    nested = [7, 0.5, 0.9, 4, 11, ["a", "bc"], [3], True, 0.0, 0.0, 1.0, 0.0, 0, None, None]
     assert msgspec.msgpack.decode(frame)[:6] == ["generate", "r", None, [1], nested, 2]
     assert P.CLIENT_DECODER.decode(frame).sampling == sampling
 
 
 def test_sampling_params_of_a_newer_peer_decode_with_their_fields_ignored():
-    frame = msgspec.msgpack.encode(["generate", "r", "x", None, [4, 0.0, 1.0, 0, None, [], [], False, "future"], 1])
+    fields = [4, 0.0, 1.0, 0, None, [], [], False, 0.5, 0.0, 1.2, 0.1, 2, 3, None, "future"]
+    frame = msgspec.msgpack.encode(["generate", "r", "x", None, fields, 1])
     msg = P.CLIENT_DECODER.decode(frame)
-    assert msg.sampling == P.SamplingParams(max_tokens=4, temperature=0.0) and msg.priority == 1
+    assert msg.sampling == P.SamplingParams(max_tokens=4, temperature=0.0, presence_penalty=0.5,
+                                            repetition_penalty=1.2, min_p=0.1, min_tokens=2, logprobs=3)
+    assert msg.priority == 1
+
+
+def test_sampling_params_of_the_older_layout_decode_with_every_new_field_off():
+    # The layout before the penalties, min_p, min_tokens and logprobs were appended: eight fields.
+    frame = msgspec.msgpack.encode(["generate", "r", "x", None, [4, 0.0, 1.0, 0, 7, ["\n"], [2], True], 1])
+    sampling = P.CLIENT_DECODER.decode(frame).sampling
+    assert sampling == P.SamplingParams(max_tokens=4, temperature=0.0, seed=7, stop=["\n"], stop_token_ids=[2],
+                                        ignore_eos=True)
+    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty, sampling.min_p,
+            sampling.min_tokens, sampling.logprobs, sampling.prompt_logprobs) == (0.0, 0.0, 1.0, 0.0, 0, None, None)
+    assert not sampling.penalized
+    old_assign = msgspec.msgpack.encode(["assign", 3, [1, 2], [4, 1.0, 1.0, 0, None, [], [], False]])
+    assert P.COMMAND_DECODER.decode(old_assign).sampling == P.SamplingParams(max_tokens=4)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("presence_penalty", 2.5), ("frequency_penalty", -2.01), ("repetition_penalty", 0.0), ("min_p", 1.5),
+    ("min_tokens", -1), ("logprobs", P.MAX_LOGPROBS + 1), ("prompt_logprobs", -1),
+])
+def test_new_sampling_limits_are_refused_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        P.check_sampling(P.SamplingParams(**{field: value}))
+    frame = P.encode(P.Generate(id="r", prompt="x", sampling=P.SamplingParams(**{field: value})))
+    with pytest.raises(msgspec.ValidationError) as info:
+        P.CLIENT_DECODER.decode(frame)
+    assert f"sampling.{field}" in P.explain(info.value, frame)
+    with pytest.raises(ValueError, match="min_tokens"):
+        P.check_sampling(P.SamplingParams(max_tokens=2, min_tokens=3))
+
+
+def test_chunk_logprobs_round_trip_and_an_older_chunk_has_none():
+    top = [(5, -0.25), (9, -1.5)]
+    chunk = P.Chunk(id="a", seq=0, text="x", token_ids=[5], logprobs=[P.TokenLogprob(5, -0.25, top)],
+                    prompt_logprobs=[None, P.TokenLogprob(3, -2.0)], prompt_token_ids=[1, 3])
+    assert P.SERVER_DECODER.decode(P.encode(chunk)) == chunk
+    old = msgspec.msgpack.encode(["chunk", "a", 0, "x", [5], None, None, None])
+    decoded = P.SERVER_DECODER.decode(old)
+    assert decoded.logprobs is None and decoded.prompt_logprobs is None and decoded.token_ids == [5]
 
 
 def test_make_generate_nests_the_flat_sampling_fields():
