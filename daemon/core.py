@@ -60,10 +60,8 @@ def policy_of(config: Config) -> SchedulerPolicy:
 
 
 class FrontCore:
-    """Requests, their scheduling and streaming, and the daemon's state, driven by events.
-
-    Times are ``clock()`` seconds (``time.monotonic`` in the daemon).
-    """
+    """Requests, their scheduling and streaming, and the daemon's state, driven by events; times are
+    ``clock()`` seconds (``time.monotonic`` in the daemon)."""
 
     def __init__(self, config: Config, ports: Ports, num_workers: int, metrics: Metrics | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -127,9 +125,8 @@ class FrontCore:
 
     def _on_queue_timeout(self, req: Request) -> None:
         if self.scheduler.remove(req):
-            waited = self.clock() - req.arrival
             self.end(req, P.Error(id=req.id, code=P.ErrorCode.QUEUE_TIMEOUT,
-                                  message=f"not scheduled within {waited:.3f} s"))
+                                  message=f"not scheduled within {self.clock() - req.arrival:.3f} s"))
 
     # ------------------------------------------------------------ scheduling
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import os
 import signal
@@ -36,6 +35,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from ringstream.daemon.config import is_loopback_host
 from ringstream.daemon.http_app import MAX_BODY_BYTES, HttpApi
 from ringstream.daemon.http_limits import (
     BODY_TIMEOUT_S, KEEPALIVE_TIMEOUT_S, MAX_CONNECTIONS, WRITE_TIMEOUT_S, ConfigError, ConnectionCap, HttpLimits,
@@ -52,7 +52,7 @@ UNIX_SOCKET_MODE = 0o600
 READY_LINE = "ringstream http: serving on"
 """The start of the line printed (and flushed) on stdout once every address is bound; the URLs follow."""
 
-__all__ = ["ConfigError", "HttpLimits", "HttpServer", "check_listen_auth", "is_loopback", "main", "parse_listen",
+__all__ = ["ConfigError", "HttpLimits", "HttpServer", "check_listen_auth", "main", "parse_listen",
            "read_api_key", "run_http_server"]
 
 
@@ -62,16 +62,6 @@ def parse_listen(listen: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or int(port) > 65535:
         raise ConfigError(f"listen address {listen!r} is not HOST:PORT")
     return host.strip("[]"), int(port)
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ::1); any other name or address is not."""
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def read_api_key(path: str | Path) -> str:
@@ -87,7 +77,7 @@ def read_api_key(path: str | Path) -> str:
 
 def check_listen_auth(host: str | None, api_key: str | None) -> None:
     """ConfigError unless ``host`` is loopback (None: no TCP address) or an API key is set."""
-    if host is not None and not is_loopback(host) and api_key is None:
+    if host is not None and not is_loopback_host(host) and api_key is None:
         raise ConfigError(f"listening on {host!r}, which is not a loopback address, needs an API key: "
                           f"give --api-key-file (api_key_file=), or listen on 127.0.0.1")
 

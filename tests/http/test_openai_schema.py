@@ -10,7 +10,8 @@ import pytest
 
 from ringstream.daemon import openai_schema as S
 from ringstream.daemon.chat_template import ChatTemplate, ChatTemplateError, render_chat_prompt
-from ringstream.daemon.http_api import ConfigError, HttpServer, check_listen_auth, is_loopback, parse_listen
+from ringstream.daemon.config import is_loopback_host as is_loopback
+from ringstream.daemon.http_api import ConfigError, HttpServer, check_listen_auth, parse_listen
 from ringstream.daemon.http_app import authorized
 from ringstream.ipc import errors as E
 
