@@ -65,6 +65,7 @@ class ClientSocket:
         self.path: str | None = None
         """The ipc socket file bound (removed at close)."""
         self._watching_monitor = False
+        self.closed = False
 
     def bind(self) -> str:
         """Set up CURVE (if configured) and the monitor, bind the configured address; returns it.
@@ -102,7 +103,7 @@ class ClientSocket:
 
     def send(self, identity: bytes, msg) -> SendResult:
         """Send one message; "sent", "blocked" (EAGAIN at the HWM) or "gone". Never blocks."""
-        if not identity:
+        if not identity or self.closed:
             return "gone"
         try:
             # Two sends with int flags: send_multipart combines flag enums per frame, a measurable cost here.
@@ -172,7 +173,8 @@ class ClientSocket:
             log.info("CURVE: %d client key(s) allowed from %s", len(allowed), directory)
 
     def close(self) -> None:
-        """Stop reading, close the socket and its monitor, remove the socket file."""
+        """Stop reading, close the socket and its monitor, remove the socket file; later sends answer "gone"."""
+        self.closed = True
         self.pump.stop()
         if self.monitor is not None:
             if self._watching_monitor:

@@ -19,6 +19,10 @@ from ringstream.ipc.address import default_socket, runtime_dir  # noqa: F401  (r
 INSTANCE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 TCP_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 
+MAX_AGING_RATE = 1e6
+"""Largest ``aging_rate``, levels per second: beyond it a second's wait outweighs any priority gap (2**32)
+many times over, and the queue's keys would lose their order to float rounding."""
+
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Settings of one ringstream daemon instance."""
@@ -134,8 +138,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError(f"socket_mode {self.socket_mode:o}: not a file mode")
         if not 0 < self.memory_utilization <= 1:
             raise ValueError(f"memory_utilization = {self.memory_utilization}: must be in (0, 1]")
-        if not self.aging_rate >= 0:
-            raise ValueError(f"aging_rate = {self.aging_rate}: must be >= 0 levels per second")
+        if not 0 <= self.aging_rate <= MAX_AGING_RATE:  # also refuses NaN and inf (every key inf: no order)
+            raise ValueError(f"aging_rate = {self.aging_rate}: must be 0 to {MAX_AGING_RATE:g} levels per second")
         self.priority_limits()
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes = {self.kv_cache_bytes}: must be >= 1 byte (or unset)")

@@ -111,9 +111,9 @@ class FrontCore:
         if code in (P.ErrorCode.INVALID_REQUEST, P.ErrorCode.PROMPT_TOO_LONG):
             self.metrics.invalid.inc()
             self.metrics.dropped.labels("invalid").inc()
-        self.ports.send(req.client, P.Error(id=req.id, code=code, message=message))
-        self.outbox.forget(req)
-        self.advance_shutdown()
+        req.status, req.final = RequestStatus.FINISHED_ERROR, P.Error(id=req.id, code=code, message=message)
+        self.clients.add(req, None, self.clock())  # delivered like any terminal message (held if the client lags)
+        self._deliver([req])
 
     def _start_timers(self, req: Request) -> None:
         """Deadlines: the daemon's defaults, shortened (never lengthened) by the request's own."""
@@ -282,7 +282,8 @@ class FrontCore:
                 elif rec.kind == KIND_FINISH:
                     finish = P.FINISH_DECODER.decode(rec.payload)
                     if not self._preemption_done(req, finish):
-                        aborted = req.status == RequestStatus.ABORTING
+                        # aborted: the worker confirms with CANCELLED; it may have finished (length, stop) first
+                        aborted = req.status == RequestStatus.ABORTING and finish.finish_reason == P.FinishReason.CANCELLED
                         reason = req.abort_reason if aborted else finish.finish_reason
                         self.finish(req, reason, finish.stop_reason, flush=False)
                 elif rec.kind == KIND_PROMPT_LOGPROBS:
@@ -412,6 +413,7 @@ class FrontCore:
         log.info("stopping: draining running streams (up to %.0f s)", self.config.drain_timeout_s)
         self.exit_code = self.exit_code or exit_code
         self.ports.stopping()
+        self.outbox.watch_lag()
         self.state = DaemonState.DRAINING
         for req in self.scheduler.waiting():
             self.scheduler.remove(req)
@@ -455,7 +457,9 @@ class FrontCore:
                 self._begin_abort()
             case DaemonState.ABORTING if all(r.status.is_finished for r in self.aborted_at_shutdown):
                 self._begin_flush()
-            case DaemonState.FLUSHING if not self.outbox.blocked:
+            case DaemonState.FLUSHING if not self.outbox.blocked and not self.outbox.lagged:
+                # A client that lagged during the stop keeps the whole grace: what the socket queued for
+                # it (up to its high-water mark) is delivered only as it reads, and closing drops it.
                 self._stopped()
 
 

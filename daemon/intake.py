@@ -79,7 +79,7 @@ class Intake:
             return
         try:
             msg = P.CLIENT_DECODER.decode(frames[1])
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: nested deeper than the stack
             rid = guess_id(frames[1])
             if client is not None and rid in client.requests:
                 rid = None  # never end a live stream because of another, broken frame

@@ -37,6 +37,8 @@ class Outbox:
         self.blocked: dict[int, Request] = {}
         """Requests (by handle) whose last send met a full queue."""
         self.retry_armed = False
+        self.lagged = False
+        """A send met a full client queue since :meth:`watch_lag` (the shutdown then keeps its whole grace)."""
 
     def flush(self, requests: Iterable[Request]) -> list[bytes]:
         """Send what is pending for each request (one Chunk each, its terminal message merged in).
@@ -57,6 +59,10 @@ class Outbox:
             if client.blocked_since and not any(r.handle in self.blocked for r in client.requests.values()):
                 client.blocked_since = 0.0
         return gone
+
+    def watch_lag(self) -> None:
+        """Start noting whether any client lags (its queue fills) from now on."""
+        self.lagged = False
 
     def forget(self, req: Request) -> None:
         """``req`` is delivered or was never admitted: it leaves the client table."""
@@ -95,6 +101,7 @@ class Outbox:
             if final is not None:
                 self.forget(req)
         elif result == "blocked":
+            self.lagged = True
             if req.handle not in self.blocked:
                 self.metrics.client_events.labels("send_blocked").inc()
             self.blocked[req.handle] = req

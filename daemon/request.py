@@ -130,6 +130,11 @@ class Request:
         return self.msg.priority
 
     @property
+    def preemptible(self) -> bool:
+        """Running and not being aborted (a preemption would resume what its client ended)."""
+        return self.status == RequestStatus.RUNNING
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

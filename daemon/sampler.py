@@ -170,7 +170,7 @@ def top_k_top_p_threshold(
     probs = (kept - log_norm.unsqueeze(1)).exp()
     cumulative = probs.cumsum(dim=-1)
     in_nucleus = (cumulative - probs) < top_p.unsqueeze(1)
-    last = in_nucleus.sum(dim=-1, keepdim=True) - 1
+    last = (in_nucleus.sum(dim=-1, keepdim=True) - 1).clamp(min=0)  # a top_p below float32's range: top token
     threshold = torch.where(p_on, torch.maximum(threshold, values.gather(1, last).squeeze(1)), threshold)
     uncovered = p_on & ~k_on & (cumulative[:, -1] < top_p)
     if num_candidates < vocab and bool(uncovered.any()):

@@ -82,6 +82,8 @@ class Schedulable(Protocol):
     started: float
     sched_token: int
     kv_charge: int
+    preemptible: bool
+    """False once it is being aborted: its worker is ending it anyway, and a preemption would resume it."""
 
 
 @dataclass(slots=True)
@@ -382,7 +384,7 @@ class Scheduler:
         tokens = self.kv_tokens(head)
         limit = self.policy.max_concurrency
         victims = sorted(
-            (r for r in self.running if r.priority > head.priority),
+            (r for r in self.running if r.priority > head.priority and r.preemptible),
             key=lambda r: (-r.priority, -r.started),
         )
         for victim in victims:

@@ -379,8 +379,8 @@ class WorkerPool:
             self._unwatch(worker)
         try:
             for worker in self.workers:
-                if worker.process is not None and worker.process.is_alive():
-                    worker.send(P.Shutdown())  # not connected: the deadline join handles it
+                if worker.process is not None and worker.process.is_alive() and not worker.send(P.Shutdown()):
+                    worker.process.terminate()  # not connected yet (starting): SIGTERM instead of a wasted grace
             await asyncio.gather(*(asyncio.to_thread(stop_process, w) for w in self.workers))
         finally:
             release_workers(self.workers)

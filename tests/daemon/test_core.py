@@ -154,6 +154,30 @@ def test_a_more_urgent_request_preempts_and_the_victim_resumes_with_its_tokens()
     assert last.usage.queue_time_s == pytest.approx(2.0)  # the wait after the preemption counts
 
 
+def test_a_cancelled_request_is_never_preempted_back_to_life():
+    core, ports = make_core(max_concurrency=1)
+    worker_ready(core, max_num_seqs=1)
+    low = submit(core, "low", priority=5)
+    ports.take_commands()
+    core.abort(low, P.FinishReason.CANCELLED)
+    high = submit(core, "high", priority=-5)
+    commands = ports.take_commands()
+    assert aborts(commands) == [low.handle] and not assigns(commands)  # the cancel's abort, no preemption
+    assert low.status == RequestStatus.ABORTING
+    core.on_ring([[finish(low, P.FinishReason.CANCELLED)]])
+    assert ports.to_client()[-1].finish_reason == P.FinishReason.CANCELLED and low.status.is_finished
+    assert [a.handle for a in assigns(ports.take_commands())] == [high.handle]
+
+
+def test_a_request_that_finished_before_its_cancel_reached_the_worker_keeps_its_finish_reason():
+    core, ports = make_core()
+    worker_ready(core)
+    req = submit(core, "r1", max_tokens=1)
+    core.abort(req, P.FinishReason.CANCELLED)
+    core.on_ring([tokens(req, 3), [finish(req, P.FinishReason.LENGTH)]])
+    assert ports.to_client()[-1].finish_reason == P.FinishReason.LENGTH
+
+
 def test_a_preempted_request_that_finished_first_ends_normally():
     core, ports = make_core(max_concurrency=1)
     worker_ready(core, max_num_seqs=1)
@@ -321,6 +345,19 @@ def test_a_blocked_client_gets_its_tokens_coalesced_once_it_reads_again():
     assert core.metrics.total("ringstream_client_events", event="send_blocked") == 1
 
 
+def test_a_refusal_waits_for_a_client_whose_queue_is_full():
+    core, ports = make_core(queue_size=1)
+    submit(core, "r1")
+    ports.send_results[CLIENT] = "blocked"
+    submit(core, "r2")  # QUEUE_FULL, but the client is not reading
+    assert ports.to_client() == [] and len(core.outbox.blocked) == 1
+    del ports.send_results[CLIENT]
+    ports.advance(RETRY_SEND_S)
+    [error] = ports.to_client()
+    assert (error.id, error.code) == ("r2", P.ErrorCode.QUEUE_FULL) and not core.outbox.blocked
+    assert list(core.clients.get(CLIENT).requests) == ["r1"]  # the refused one left the table
+
+
 def test_a_client_that_stops_reading_has_its_requests_cancelled_after_client_timeout():
     core, ports = make_core(client_timeout_s=1.0)
     worker_ready(core)
@@ -366,7 +403,19 @@ def test_drain_deadline_aborts_the_running_and_flush_delivers_before_the_stop():
     del ports.send_results[CLIENT]
     ports.advance(RETRY_SEND_S)
     assert ports.to_client()[-1].finish_reason == P.FinishReason.SHUTDOWN
+    # it lagged: what its socket still queues reaches it only as it reads, so the flush keeps its grace
+    assert core.state == DaemonState.FLUSHING
+    ports.advance(ABORT_GRACE_S)
     assert core.state == DaemonState.STOPPED
+
+
+def test_a_stop_with_no_lagging_client_ends_as_soon_as_all_is_delivered():
+    core, ports = make_core()
+    worker_ready(core)
+    req = submit(core, "r1")
+    core.request_stop()
+    core.on_ring([tokens(req, 1), [finish(req)]])
+    assert core.state == DaemonState.STOPPED and ports.to_client()[-1].finish_reason == P.FinishReason.LENGTH
 
 
 def test_an_abort_never_confirmed_is_ended_after_the_grace():
@@ -442,6 +491,9 @@ def test_the_intake_admits_answers_cancels_and_refuses_without_any_socket():
     intake.on_frames([CLIENT, P.encode(P.Heartbeat(open_ids=["r1", "ghost"]))])
     assert isinstance(ports.to_client()[-2], P.HeartbeatAck)
     assert (ports.to_client()[-1].id, ports.to_client()[-1].code) == ("ghost", P.ErrorCode.UNKNOWN_REQUEST)
+    deep = b"\x9b\xa8generate\xa4deep\xa2hi\xc0\x91\x03\x00\xc0\xc0\xc3\xc0" + b"\x91" * 100_000 + b"\xc0"
+    intake.on_frames([CLIENT, deep])  # an 11th, unknown field nested past the stack: skipped by recursion
+    assert (ports.to_client()[-1].id, ports.to_client()[-1].code) == ("deep", P.ErrorCode.INVALID_REQUEST)
     intake.on_frames([CLIENT, b"\x93garbage"])
     assert ports.to_client()[-1].code == P.ErrorCode.INVALID_REQUEST
     intake.on_frames([CLIENT, P.encode(P.Admin(settings={"max_concurrency": 2}))])

@@ -127,6 +127,7 @@ def test_top_p_keeps_smallest_nucleus():
     assert keep(0.45) == {0}
     assert keep(0.6) == {0, 1}
     assert keep(0.95) == {0, 1, 2}
+    assert keep(5e-324) == keep(1e-300) == {0}  # below float32's range: still the most likely token
 
 
 def test_top_k_then_top_p_renormalises():

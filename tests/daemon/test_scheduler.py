@@ -21,6 +21,7 @@ class FakeRequest:
         self.started = 0.0
         self.sched_token = 0
         self.kv_charge = 0
+        self.preemptible = True
 
     def __repr__(self):
         return f"R{self.id}(p={self.priority}, t={self.arrival})"

@@ -47,6 +47,9 @@ def test_max_concurrency_above_the_workers_slots_says_what_takes_effect():
     ({"max_concurrency": 0}, "max_concurrency = 0"),
     ({"log_level": "loud"}, "log_level"),
     ({"queue_size": "many"}, "queue_size"),
+    ({"aging_rate": float("inf")}, "aging_rate = inf"),  # every queue key inf: priorities lost
+    ({"aging_rate": float("nan")}, "aging_rate = nan"),
+    ({"aging_rate": 1e12}, "aging_rate"),
 ])
 def test_bad_changes_are_refused_whole(changes, words):
     config = Config()

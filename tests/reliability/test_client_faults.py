@@ -201,3 +201,34 @@ def test_a_client_reconnecting_with_its_identity_gets_nothing_of_its_previous_co
     assert check_synthetic_stream(streams["r"], 50) is None
     assert not new.poll(300), "a message after the terminal one"
     assert wait_for(lambda: gauges_idle(daemon.address), 2.0)
+
+
+def test_a_graceful_stop_delivers_every_terminal_message_to_a_slow_reader(tmp_path):
+    """Terminal messages queued in the client socket at the stop are flushed (ZeroMQ linger), not discarded."""
+    streams = 64
+    with running_daemon(tmp_path, "--engine", "synthetic", "--synthetic-step-ms", "2", "--devices", "cpu") as d:
+        ctx = zmq.Context()
+        sock = raw_socket(ctx, d.address)
+        try:
+            for i in range(streams):
+                sock.send(P.encode(P.make_generate(id=f"r{i}", prompt_token_ids=[5], max_tokens=300, ignore_eos=True)))
+            ended: set[str] = set()
+            stop_at = time.monotonic() + 0.3
+            deadline = time.monotonic() + 30
+            while len(ended) < streams and time.monotonic() < deadline:
+                if stop_at and time.monotonic() > stop_at:
+                    d.proc.send_signal(signal.SIGTERM)
+                    stop_at = 0
+                if not sock.poll(1000):
+                    if d.proc.poll() is not None:
+                        break  # stopped, and nothing more queued for us
+                    continue
+                msg = P.SERVER_DECODER.decode(sock.recv())
+                if isinstance(msg, P.Error) or msg.finish_reason is not None:
+                    ended.add(msg.id)
+                time.sleep(0.0005)  # a slow reader
+            assert len(ended) == streams, f"{streams - len(ended)} streams never got their terminal message"
+            assert d.proc.wait(30) == 0
+        finally:
+            sock.close(linger=0)
+            ctx.term()
