@@ -134,17 +134,29 @@ async def send_json(request: web.Request, body, timeout_s: float) -> web.Respons
 
 async def merged(client: AsyncClient, jobs: list[Job], params: dict
                  ) -> AsyncIterator[tuple[Job, P.Chunk | Exception]]:
-    """Run ``jobs`` at once; yield ``(job, chunk)`` as chunks arrive and ``(job, exception)`` for a failed one.
+    """Run ``jobs``; yield ``(job, chunk)`` as chunks arrive and ``(job, exception)`` for a failed one.
 
-    Ends when every job ended (a chunk with ``finish_reason`` or an exception).
-    Leaving early cancels the jobs still running (their daemon requests too).
+    The first sample of each prompt starts at once, its other ``n - 1`` once
+    its first chunk arrived: the prompt's prefill is done then and its KV
+    blocks are in the worker's prefix cache, so the others reuse them instead
+    of each computing the same prefill in one step (parallel sampling as
+    vLLM's, which gets the same from its block allocator). Ends when every job
+    ended (a chunk with ``finish_reason`` or an exception). Leaving early
+    cancels the jobs still running (their daemon requests too).
     """
     queue: asyncio.Queue = asyncio.Queue()
-    tasks = [asyncio.create_task(_run(client, job, params, queue)) for job in jobs]
+    followers: dict[int, list[Job]] = {}
+    for job in jobs:
+        if job.sample:
+            followers.setdefault(job.prompt_index, []).append(job)
+    tasks = [asyncio.create_task(_run(client, job, params, queue)) for job in jobs if not job.sample]
     open_jobs = len(jobs)
     try:
         while open_jobs:
             job, item = await queue.get()
+            if not job.sample and job.prompt_index in followers:  # its prompt is cached now (or failed)
+                tasks += [asyncio.create_task(_run(client, follower, params, queue))
+                          for follower in followers.pop(job.prompt_index)]
             if isinstance(item, Exception) or item.finish_reason is not None:
                 open_jobs -= 1
             yield job, item

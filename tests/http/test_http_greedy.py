@@ -30,6 +30,17 @@ def test_greedy_completion_equals_the_zmq_stream(tmp_path):
         assert whole.usage.prompt_tokens == expected.usage.prompt_tokens
         assert whole.usage.completion_tokens == expected.usage.completion_tokens
 
+        # n samples of one prompt share its prefill: the first computes it, the others hit the prefix cache
+        prompt = list(range(10, 10 + 160))
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as api:
+            many = api.completions.create(model="default_model", prompt=prompt, max_tokens=4, n=4, seed=1)
+        assert len(many.choices) == 4 and many.usage.prompt_tokens == 160
+        with Client(daemon.address) as client:
+            deadline = time.monotonic() + 10
+            while (hits := client.status().workers[0].prefix_cache_hits) < 3 * 128 and time.monotonic() < deadline:
+                time.sleep(0.1)  # the worker reports its counters with its heartbeat
+        assert hits >= 3 * 128  # three of the four reuse at least the prompt's whole blocks
+
 
 def test_sigterm_mid_stream_closes_connections_and_cancels(tmp_path):
     args = ("--engine", "synthetic", "--devices", "cpu", "--synthetic-step-ms", "10")
