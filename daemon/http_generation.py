@@ -149,7 +149,10 @@ async def merged(client: AsyncClient, jobs: list[Job], params: dict
     for job in jobs:
         if job.sample:
             followers.setdefault(job.prompt_index, []).append(job)
-    tasks = [asyncio.create_task(_run(client, job, params, queue)) for job in jobs if not job.sample]
+    # A leader with followers streams from the daemon even for a whole answer: its first chunk starts them.
+    lead = {**params, "stream": True}
+    tasks = [asyncio.create_task(_run(client, job, lead if job.prompt_index in followers else params, queue))
+             for job in jobs if not job.sample]
     open_jobs = len(jobs)
     try:
         while open_jobs:
