@@ -919,6 +919,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--repeats", type=int, help="runs of each throughput measurement")
     cmp.add_argument("--threads", type=int, help="torch threads of every part (default: half the cores)")
     cmp.add_argument("--seed-pool", type=int, help="threads of the seed baseline")
+    cmp.add_argument("--seed-requests", type=int, help="requests of the seed and naive baselines")
+    cmp.add_argument("--time-limit", type=float, help="the seed and naive baselines start no request after this (s)")
     cmp.add_argument("--dtype", choices=["float32", "bfloat16"],
                      help="dtype of every system (default float32 on CPU, bfloat16 elsewhere)")
     cmp.add_argument("--synthetic-step-ms", type=float, help="synthetic engine step time (default 1 ms)")
@@ -984,6 +986,8 @@ def _compare_command(args: argparse.Namespace, command: str) -> int:
         "device": args.device, "model_config": args.model_config, "layers": args.layers, "hidden": args.hidden,
         "concurrency": args.concurrency, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
         "max_model_len": args.max_model_len, "capacity_tokens": args.capacity_tokens,
+        "seed_requests": args.seed_requests, "naive_requests": args.seed_requests,
+        "naive_time_limit_s": args.time_limit,
     }
     if args.device not in (None, "cpu") and args.dtype is None:
         overrides["dtype"] = "bfloat16"
