@@ -26,8 +26,9 @@ softcapping) and ``s_aux`` (GPT-OSS's attention sinks); the last two go to
 :func:`eager_attention`, as SDPA has neither.
 
 CPU has no paged kernel in PyTorch; the gather copies each row's context once
-per layer, which costs about what the attention reads. On CUDA the same
-metadata serves torch's varlen FlashAttention with a block table.
+per layer, which costs about what the attention reads. CUDA takes the same
+path (gather, then SDPA or the two matmuls); a paged / varlen FlashAttention
+kernel reading the blocks in place is not used.
 """
 
 from __future__ import annotations

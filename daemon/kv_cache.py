@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ringstream.daemon.device_io import to_device
+
 __all__ = ["AttentionMetadata", "DecodeGroup", "PagedKVCache", "PrefillChunk", "build_metadata"]
 
 DECODE_GROUP_RATIO = 0.5
@@ -278,9 +280,9 @@ def build_metadata(
                 table = decodes[i][0][:width]
                 blocks += table
                 blocks += [0] * (width - len(table))
-            lengths = torch.tensor([decodes[i][1] + 1 for i in members], **long)
+            lengths = to_device([decodes[i][1] + 1 for i in members], torch.long, device)
             valid = torch.arange(width * block_size, **long).unsqueeze(0) < lengths.unsqueeze(1)
-            groups.append(DecodeGroup(torch.tensor(members, **long), torch.tensor(blocks, **long),
+            groups.append(DecodeGroup(to_device(members, torch.long, device), to_device(blocks, torch.long, device),
                                       valid.view(len(members), 1, 1, width * block_size), lengths))
             begin = end
     chunks: list[PrefillChunk] = []
@@ -288,11 +290,11 @@ def build_metadata(
     for table, start, num_query in prefills:
         kv_len = start + num_query
         width = -(-kv_len // block_size)
-        block_index = torch.tensor(table[:width], **long)
-        positions = torch.arange(start, kv_len, **long)
-        slot_part = block_index[torch.div(positions, block_size, rounding_mode="floor")] * block_size
-        slot_part += positions % block_size
-        slots += slot_part.tolist()
+        block_index = to_device(table[:width], torch.long, device)
+        for block in range(start // block_size, width):  # the chunk's slots, block by block, on the host
+            base = table[block] * block_size
+            slots += range(base + max(start - block * block_size, 0), base + min(kv_len - block * block_size,
+                                                                                  block_size))
         chunk = PrefillChunk(row, num_query, block_index, context_start=start)
         step = max(1, MAX_MASK_ELEMENTS // kv_len)
         for q_begin in range(0, num_query, step):
@@ -307,4 +309,4 @@ def build_metadata(
         chunks.append(chunk)
         row += num_query
     max_context = max([pos + 1 for _, pos in decodes] + [start + n for _, start, n in prefills])
-    return AttentionMetadata(torch.tensor(slots, **long), groups, chunks, row, block_size, max_context)
+    return AttentionMetadata(to_device(slots, torch.long, device), groups, chunks, row, block_size, max_context)

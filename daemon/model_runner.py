@@ -17,6 +17,11 @@ that have them, then :func:`ringstream.daemon.sampler.sample`. A batch with
 none of them takes the path it always took. Prompt logprobs: the forward
 keeps the logits of every prompt position of a sequence that asks for them
 (``logits_to_keep``), chunk by chunk of a chunked prefill.
+
+Device traffic (:mod:`ringstream.daemon.device_io`): a step's inputs go to the
+device asynchronously, every decision about which path to take is made on the
+host from the requests' parameters, and the step's results (sampled ids, and
+the logprobs asked for) come back in one transfer at its end.
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ import inspect
 import torch
 
 from ringstream.daemon.block_manager import BlockManager
+from ringstream.daemon.device_io import to_device, to_host
 from ringstream.daemon.engine_scheduler import SequenceState
 from ringstream.daemon.kv_cache import PagedKVCache, build_metadata
 from ringstream.daemon.sampler import (
-    SamplingTensors, apply_penalties, gather_logprobs, mask_tokens, sample, token_seed,
+    SamplingTensors, apply_penalties, build_logprobs, logprob_tensors, mask_tokens, sample, token_seed,
 )
 
 __all__ = ["ModelRunner"]
@@ -113,41 +119,57 @@ class ModelRunner:
             meta.seen_windows = self.seen_windows
         self.cache.slot_mapping = meta.slot_mapping
         out = self.model(
-            input_ids=torch.tensor([input_ids], dtype=torch.long, device=device),
-            position_ids=torch.tensor([positions], dtype=torch.long, device=device),
+            input_ids=to_device([input_ids], torch.long, device),
+            position_ids=to_device([positions], torch.long, device),
             use_cache=True,
-            logits_to_keep=torch.tensor(rows, dtype=torch.long, device=device),
+            logits_to_keep=to_device(rows, torch.long, device),
             paged=meta,
             **{self.cache_kwarg: self.cache},
         )
         logits = out.logits[0]
+        prompt_part = None
         if prompt_rows:
-            prompt_logprobs = self._prompt_logprobs(logits[num_sampled:], prompt_rows)
+            prompt_part = self._prompt_logprobs(logits[num_sampled:], prompt_rows)
             logits = logits[:num_sampled]
         if not sampled:
             if prompt_rows:
-                self._keep_prompt_logprobs(prompt_rows, prompt_logprobs)
+                self._keep_prompt_logprobs(prompt_rows, prompt_part, to_host(prompt_part[2]))
             return []
         if self.captured is not None:
             self.captured.append(logits.detach().clone())
+        asking = None
         if any(seq.processed for seq in sampled):
-            tokens = self._sample_processed(logits, sampled)
+            tokens, asking = self._sample_processed(logits, sampled)
         elif any(not seq.greedy for seq in sampled):
             tokens = sample(logits, self._sampling_tensors(sampled))
         else:
             tokens = logits.argmax(dim=-1)
+        # The step's one device-to-host transfer: tokens, then the sampled and the prompt logprobs asked for.
+        asked = asking[2] if asking else []
+        prompt_tensors = prompt_part[2] if prompt_part else []
+        fetched = to_host([tokens, *asked, *prompt_tensors])
+        token_ids = fetched[0]
+        if asking:
+            rows_asking, num_top, _ = asking
+            found = build_logprobs([token_ids[i] for i in rows_asking], fetched[1:1 + len(asked)], num_top)
+            for i, logprob in zip(rows_asking, found):
+                sampled[i].next_logprob = logprob
         if prompt_rows:
-            self._keep_prompt_logprobs(prompt_rows, prompt_logprobs)
+            self._keep_prompt_logprobs(prompt_rows, prompt_part, fetched[1 + len(asked):])
         # Keep order with ``items``: map each sampled sequence to its token.
-        by_seq = dict(zip(sampled, tokens.tolist()))
+        by_seq = dict(zip(sampled, token_ids))
         return [by_seq.get(seq) for seq, _ in items]
 
-    def _sample_processed(self, logits: torch.Tensor, batch: list[SequenceState]) -> torch.Tensor:
+    def _sample_processed(self, logits: torch.Tensor,
+                          batch: list[SequenceState]) -> tuple[torch.Tensor, tuple | None]:
         """Sample ``batch`` (``logits``: ``[len(batch), vocab]``) with raw logprobs, the ``min_tokens`` mask and
-        the penalties (module docstring); leaves each asking sequence's ``next_logprob``. Returns ``[n]`` int64."""
+        the penalties (module docstring). Returns ``[n]`` int64 tokens and, when some sequence asks for
+        logprobs, ``(its rows, their top counts, the device tensors of`` :func:`logprob_tensors` ``)``."""
         params = [seq.request.params for seq in batch]
+        device = self.device
         asking = [i for i, p in enumerate(params) if p.logprobs is not None]
-        raw = logits[asking].float().log_softmax(dim=-1) if asking else None
+        asking_index = to_device(asking, torch.long, device) if asking else None
+        raw = logits[asking_index].float().log_softmax(dim=-1) if asking else None
         work = logits.float().clone()
         mask_rows, mask_ids = [], []
         for i, (seq, p) in enumerate(zip(batch, params)):
@@ -157,42 +179,46 @@ class ModelRunner:
         mask_tokens(work, mask_rows, mask_ids)
         penalized = [i for i, p in enumerate(params) if p.penalized]
         if penalized:
-            device = self.device
             chosen = [params[i] for i in penalized]
-            work[penalized] = apply_penalties(
-                work[penalized],
+            penalized_index = to_device(penalized, torch.long, device)
+            work[penalized_index] = apply_penalties(
+                work[penalized_index],
                 [batch[i].token_ids[:batch[i].num_prompt_tokens] for i in penalized],
                 [batch[i].token_ids[batch[i].num_prompt_tokens:] for i in penalized],
-                torch.tensor([p.presence_penalty for p in chosen], dtype=torch.float32, device=device),
-                torch.tensor([p.frequency_penalty for p in chosen], dtype=torch.float32, device=device),
-                torch.tensor([p.repetition_penalty for p in chosen], dtype=torch.float32, device=device),
+                to_device([p.presence_penalty for p in chosen], torch.float32, device),
+                to_device([p.frequency_penalty for p in chosen], torch.float32, device),
+                to_device([p.repetition_penalty for p in chosen], torch.float32, device),
+                any_repetition=any(p.repetition_penalty != 1.0 for p in chosen),
             )
         if all(seq.greedy for seq in batch):
             tokens = work.argmax(dim=-1)
         else:
             tensors = self._sampling_tensors(batch)
             if any(p.min_p > 0.0 for p in params):
-                tensors.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=self.device)
+                tensors.min_p = to_device([p.min_p for p in params], torch.float32, self.device)
             tokens = sample(work, tensors)
-        if asking:
-            found = gather_logprobs(raw, tokens[asking], [params[i].logprobs for i in asking])
-            for i, logprob in zip(asking, found):
-                batch[i].next_logprob = logprob
-        return tokens
+        if not asking:
+            return tokens, None
+        num_top = [params[i].logprobs for i in asking]
+        return tokens, (asking, num_top, logprob_tensors(raw, tokens[asking_index], num_top))
 
-    def _prompt_logprobs(self, logits: torch.Tensor, prompt_rows: list) -> list:
-        """The logprobs of the next prompt token at each kept prompt position (``logits``: their rows, in order)."""
+    def _prompt_logprobs(self, logits: torch.Tensor, prompt_rows: list) -> tuple[list[int], list[int], list]:
+        """The device half of the next prompt token's logprobs at each kept prompt position (``logits``: their
+        rows, in order): ``(target ids, top counts, tensors of`` :func:`logprob_tensors` ``)``."""
         targets = []
         for seq, _, first, count in prompt_rows:
             targets += seq.token_ids[first + 1:first + 1 + count]
         logprobs = logits.float().log_softmax(dim=-1)
         num_top = [seq.request.params.prompt_logprobs for seq, _, _, count in prompt_rows for _ in range(count)]
-        return gather_logprobs(logprobs, torch.tensor(targets, dtype=torch.long, device=logits.device), num_top)
+        return targets, num_top, logprob_tensors(logprobs, to_device(targets, torch.long, logits.device), num_top)
 
     @staticmethod
-    def _keep_prompt_logprobs(prompt_rows: list, found: list) -> None:
-        """Append the step's prompt logprobs to their sequences (positions computed again after a preemption
-        are already there and are skipped)."""
+    def _keep_prompt_logprobs(prompt_rows: list, part: tuple, fetched: list) -> None:
+        """Append the step's prompt logprobs (``part`` from :meth:`_prompt_logprobs`, ``fetched`` its tensors on
+        the host) to their sequences (positions computed again after a preemption are already there and are
+        skipped)."""
+        targets, num_top, _ = part
+        found = build_logprobs(targets, fetched, num_top)
         at = 0
         for seq, _, first, count in prompt_rows:
             kept = seq.prompt_logprobs
@@ -205,15 +231,18 @@ class ModelRunner:
         device = self.device
         top_k = [seq.top_k for seq in batch]
         top_p = [seq.top_p for seq in batch]
+        vocab = self.vocab_size
         return SamplingTensors(
-            temperature=torch.tensor([seq.temperature for seq in batch], dtype=torch.float32, device=device),
-            greedy=torch.tensor([seq.greedy for seq in batch], dtype=torch.bool, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.long, device=device),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            temperature=to_device([seq.temperature for seq in batch], torch.float32, device),
+            greedy=to_device([seq.greedy for seq in batch], torch.bool, device),
+            top_k=to_device(top_k, torch.long, device),
+            top_p=to_device(top_p, torch.float32, device),
             all_greedy=False,
             any_greedy=any(seq.greedy for seq in batch),
-            use_top_k=any(k < self.vocab_size for k in top_k),
+            use_top_k=any(k < vocab for k in top_k),
             use_top_p=any(p < 1.0 for p in top_p),
+            max_top_k=max((k for k in top_k if k < vocab), default=0),
+            top_p_without_k=any(p < 1.0 and k >= vocab for k, p in zip(top_k, top_p)),
             seeded_rows=[(i, self._seed_generator(seq)) for i, seq in enumerate(batch) if seq.generator is not None],
             generator=self.generator,
         )

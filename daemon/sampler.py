@@ -54,10 +54,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ringstream.daemon.device_io import to_device
 from ringstream.ipc.wire import TokenLogprob
 
-__all__ = ["TOP_P_CANDIDATES", "SamplingTensors", "apply_penalties", "gather_logprobs", "mask_tokens", "sample",
-           "token_seed", "top_k_top_p_threshold"]
+__all__ = ["TOP_P_CANDIDATES", "SamplingTensors", "apply_penalties", "build_logprobs", "gather_logprobs",
+           "logprob_tensors", "mask_tokens", "sample", "token_seed", "top_k_top_p_threshold"]
 
 _MASK_64 = (1 << 64) - 1
 # SplitMix64 constants (Steele, Lea and Flood, "Fast Splittable Pseudorandom
@@ -108,6 +109,10 @@ class SamplingTensors:
             generator is already seeded for this token (see ``token_seed``).
         generator: generator for the remaining random rows; None uses torch's
             global generator.
+        max_top_k: the largest ``top_k`` of the rows with top-k on (0: none), and
+        top_p_without_k: whether some row has top-p without top-k; both known on the host
+            from the requests, so that choosing the candidate count reads nothing back from the
+            device. None: derived from the tensors (a device-to-host read).
     """
 
     temperature: torch.Tensor
@@ -121,6 +126,8 @@ class SamplingTensors:
     seeded_rows: list[tuple[int, torch.Generator]] = field(default_factory=list)
     generator: torch.Generator | None = None
     min_p: torch.Tensor | None = None
+    max_top_k: int | None = None
+    top_p_without_k: bool | None = None
 
 
 def top_k_top_p_threshold(
@@ -128,6 +135,8 @@ def top_k_top_p_threshold(
     top_k: torch.Tensor | None,
     top_p: torch.Tensor | None,
     candidates: int | None = None,
+    *,
+    limits: tuple[int, bool] | None = None,
 ) -> torch.Tensor:
     """Smallest logit each row keeps under top-k then top-p (see module docstring).
 
@@ -139,6 +148,10 @@ def top_k_top_p_threshold(
             top-p row without top-k; rows whose nucleus is larger are redone
             with ``CANDIDATE_GROWTH`` times more, up to the whole vocabulary.
             Default ``TOP_P_CANDIDATES``.
+        limits: ``(largest top_k of the rows with top-k on or 0, whether a row has top-p
+            without top-k)``, known on the host: then nothing is read back from the device, and
+            off the CPU a top-p row without top-k examines the whole vocabulary at once (one sort
+            instead of a data-dependent retry). ``top_p`` must then be None when no row uses it.
 
     Returns:
         ``[n]`` float thresholds; a row keeps the tokens whose logit is
@@ -151,15 +164,21 @@ def top_k_top_p_threshold(
     p_on = top_p < 1.0 if top_p is not None else torch.zeros(n, dtype=torch.bool, device=logits.device)
     if top_k is None:
         top_k = torch.full((n,), vocab, dtype=torch.long, device=logits.device)
-    num_candidates = int(top_k.masked_fill(~k_on, 1).max())
-    if bool((p_on & ~k_on).any()):
+    if limits is None:
+        num_candidates = int(top_k.masked_fill(~k_on, 1).max())
+        p_without_k = bool((p_on & ~k_on).any())
+    else:
+        num_candidates, p_without_k = max(limits[0], 1), limits[1]
+        if logits.device.type != "cpu":
+            candidates = vocab
+    if p_without_k:
         num_candidates = max(num_candidates, candidates)
     num_candidates = min(num_candidates, vocab)
     values = logits.topk(num_candidates, dim=-1).values  # [n, K], descending
     threshold = torch.full((n,), float("-inf"), dtype=logits.dtype, device=logits.device)
     k_index = top_k.clamp(max=num_candidates).sub(1).unsqueeze(1)
     threshold = torch.where(k_on, values.gather(1, k_index).squeeze(1), threshold)
-    if top_p is None or not bool(p_on.any()):
+    if top_p is None or (limits is None and not bool(p_on.any())):
         return threshold
 
     positions = torch.arange(num_candidates, device=logits.device)
@@ -208,6 +227,7 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
             scaled,
             params.top_k if params.use_top_k else None,
             params.top_p if params.use_top_p else None,
+            limits=None if params.max_top_k is None else (params.max_top_k, bool(params.top_p_without_k)),
         )
         scaled.masked_fill_(scaled < threshold.unsqueeze(1), float("-inf"))
     probs = scaled.softmax(dim=-1)
@@ -228,14 +248,14 @@ def _token_counts(token_ids: list[list[int]], vocab: int, device: torch.device) 
     width = max((len(ids) for ids in token_ids), default=0)
     counts = torch.zeros((len(token_ids), vocab + 1), dtype=torch.int32, device=device)
     if width:
-        padded = torch.tensor([ids + [vocab] * (width - len(ids)) for ids in token_ids], dtype=torch.long,
-                              device=device)
+        padded = to_device([ids + [vocab] * (width - len(ids)) for ids in token_ids], torch.long, device)
         counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.int32))
     return counts[:, :vocab]
 
 
 def apply_penalties(logits: torch.Tensor, prompt_ids: list[list[int]], output_ids: list[list[int]],
-                    presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+                    presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor,
+                    any_repetition: bool | None = None) -> torch.Tensor:
     """Apply the repetition, frequency and presence penalties (module docstring) to every row of ``logits``.
 
     Args:
@@ -244,6 +264,8 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: list[list[int]], output_id
         output_ids: each row's output token ids so far.
         presence, frequency: ``[n]`` float32 penalties (0 = off).
         repetition: ``[n]`` float32 in ``(0, inf)`` (1 = off).
+        any_repetition: whether some row's repetition penalty is on, known on the host
+            (None: read from ``repetition``, a device-to-host read).
 
     Returns:
         ``logits``.
@@ -252,7 +274,9 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: list[list[int]], output_id
     device = logits.device
     output_counts = _token_counts(output_ids, vocab, device)
     output_seen = output_counts > 0
-    if bool((repetition != 1.0).any()):
+    if any_repetition is None:
+        any_repetition = bool((repetition != 1.0).any())
+    if any_repetition:
         seen = output_seen | (_token_counts(prompt_ids, vocab, device) > 0)
         factor = torch.where(seen, repetition.unsqueeze(1), torch.ones((), device=device))
         logits.copy_(torch.where(logits > 0, logits / factor, logits * factor))
@@ -264,9 +288,8 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: list[list[int]], output_id
 def mask_tokens(logits: torch.Tensor, rows: list[int], token_ids: list[int]) -> None:
     """Set ``logits[rows[i], token_ids[i]]`` to ``-inf`` for every ``i`` (in place; the ``min_tokens`` mask)."""
     if rows:
-        index = (torch.tensor(rows, dtype=torch.long, device=logits.device),
-                 torch.tensor(token_ids, dtype=torch.long, device=logits.device))
-        logits.index_put_(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+        index = (to_device(rows, torch.long, logits.device), to_device(token_ids, torch.long, logits.device))
+        logits.index_put_(index, logits.new_full((), float("-inf")))
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprob]:
@@ -281,12 +304,26 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: li
         ``n`` :class:`ringstream.ipc.wire.TokenLogprob`, ``top`` most likely first
         (ties: lower index first, as ``torch.topk`` on CPU gives them).
     """
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
-    ids = token_ids.tolist()
+    found = [t.tolist() for t in logprob_tensors(logprobs, token_ids, num_top)]
+    return build_logprobs(token_ids.tolist(), found, num_top)
+
+
+def logprob_tensors(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[torch.Tensor]:
+    """The device half of :func:`gather_logprobs`: ``[chosen [n]]``, plus ``values, indices [n, max(num_top)]``
+    when some row asks for top logprobs."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     most = max(num_top, default=0)
     if not most:
-        return [TokenLogprob(token_id, value) for token_id, value in zip(ids, chosen)]
+        return [chosen]
     values, indices = logprobs.topk(most, dim=-1)
-    values, indices = values.tolist(), indices.tolist()
+    return [chosen, values, indices]
+
+
+def build_logprobs(ids: list[int], found: list[list], num_top: list[int]) -> list[TokenLogprob]:
+    """The host half of :func:`gather_logprobs`: ``found`` is :func:`logprob_tensors`' result as lists."""
+    chosen = found[0]
+    if len(found) == 1:
+        return [TokenLogprob(token_id, value) for token_id, value in zip(ids, chosen)]
+    values, indices = found[1], found[2]
     return [TokenLogprob(token_id, value, list(zip(indices[i][:k], values[i][:k])))
             for i, (token_id, value, k) in enumerate(zip(ids, chosen, num_top))]

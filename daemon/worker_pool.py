@@ -185,6 +185,14 @@ def worker_threads(config: Config, devices: list[str]) -> int:
     return max(1, (os.cpu_count() or 1) // cpu_workers)
 
 
+def worker_dtype(config: Config, device: str) -> str:
+    """The dtype a worker on ``device`` loads the model in: ``config.dtype``; ``auto`` is float32 on CPU (where
+    greedy output equals ``generate()``) and bfloat16 on an accelerator."""
+    if config.dtype != "auto":
+        return config.dtype
+    return "float32" if device == "cpu" else "bfloat16"
+
+
 def create_workers(
     config: Config, devices: list[str], model_path: str, ctx: zmq.Context, rundir: Path, event_address: str
 ) -> list[WorkerProcess]:
@@ -194,7 +202,6 @@ def create_workers(
     """
     workers: list[WorkerProcess] = []
     threads = worker_threads(config, devices)
-    dtype = config.dtype
     try:
         for index, device in enumerate(devices):
             name = ring_name(config.instance, index)
@@ -207,7 +214,7 @@ def create_workers(
             bind_private(commands, address)
             spec = WorkerSpec(
                 index=index, device=device, model_path=model_path,
-                dtype=("float32" if device == "cpu" else "bfloat16") if dtype == "auto" else dtype,
+                dtype=worker_dtype(config, device),
                 command_address=address, event_address=event_address,
                 ring_name=name, ring_instance_id=ring.instance_id,
                 max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,

@@ -186,7 +186,7 @@ def _generation_config(model, max_tokens: int):
 
 
 def _generate(model, prompt: list[int], config, streamer) -> None:
-    input_ids = torch.tensor([prompt])
+    input_ids = torch.tensor([prompt], device=model.device)
     with torch.inference_mode():
         model.generate(
             input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config, streamer=streamer

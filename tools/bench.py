@@ -18,6 +18,9 @@ streams, 64-token prompts, 32 new tokens, greedy):
 * the serving layer alone: a daemon with ``--engine synthetic`` (fixed step
   time, no model), the raw ZeroMQ DEALER -> ROUTER message rate between two
   processes, and the load generator's own ceiling against a stub daemon;
+* ``roofline``: the most a decode step of the workload's batch can reach at the
+  device's measured copy bandwidth (:mod:`ringstream.tools.bench_device`), and
+  the KV capacity of the engine's pool;
 
 and prints every figure and the ratios between them; it exits with status 1
 if any part failed (a skipped synthetic part is not a failure). Throughputs
@@ -25,11 +28,19 @@ are the best of ``--repeats`` runs (the host may be shared: the best run is
 the one least disturbed), latencies come from that run. Every part runs with
 the same number of torch threads (``--threads``; the daemon's worker gets it
 through its config file).
+
+``--device cuda:0`` runs every system on that device (bfloat16 unless
+``--dtype``): the ``seed`` baseline is then ``generate()`` one request at a
+time, and the parts that do not depend on the device (``naive``, the serving
+layer alone) are skipped. ``--model-config NAME`` (with ``--layers`` /
+``--hidden`` to shrink it) serves a random-weight model of a published shape
+(:mod:`ringstream.tools.model_configs`) written to a temporary directory.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.metadata
 import json
@@ -50,6 +61,8 @@ from ringstream.tools.bench_stats import RequestRecord, cdf, itl_samples, summar
 from ringstream.tools.loadgen import Dist, LoadConfig, WorkloadError, WorkloadSpec, parse_priority_mix, run_load  # noqa: E402
 
 PROG = "ringstream-bench"
+MODEL_CONFIG_NAMES = ("llama-3.2-1b", "llama-3.1-8b", "qwen2.5-7b")
+"""Names of :data:`ringstream.tools.model_configs.MODEL_CONFIGS` (not imported here: it loads transformers)."""
 IN_PROCESS_SYSTEMS = ("ceiling", "engine", "hf-cb", "seed", "naive")
 """Baselines run in the benchmark's own process (:mod:`ringstream.tools.baselines`), in this order."""
 SYSTEMS = (*IN_PROCESS_SYSTEMS, "daemon")
@@ -70,6 +83,9 @@ RATIO_LABELS = {
     "synthetic_tok_s_over_zmq_msg_s": "synthetic tok/s / zmq msg/s",
     "synthetic_tok_s_over_loadgen_ceiling": "synthetic tok/s / load generator ceiling tok/s",
     "synthetic_tok_s_over_daemon": "synthetic / daemon (tok/s)",
+    "ceiling_over_roofline": "ceiling / roofline (tok/s)",
+    "engine_over_roofline": "engine / roofline (tok/s)",
+    "daemon_over_roofline": "daemon / roofline (tok/s)",
 }
 """Row labels of the ratios table, by ratio key (``ratio_<key>`` in the JSON report)."""
 RATIO_TARGETS = {
@@ -129,6 +145,11 @@ class CompareSettings:
         dtype: weights and activations of every system (``float32``: ringstream's default on
             CPU, the only one where greedy output equals ``generate()`` token for token;
             ``bfloat16``: the built-in model's stored precision, native on CPUs with AVX512-BF16).
+        device: torch device of every system (``cpu``, ``cuda:0``).
+        model_config, layers, hidden: a random-weight model of a published shape instead of
+            ``model`` (:func:`ringstream.tools.model_configs.write_model`).
+        max_model_len: the engine's and the daemon's context length (default: the model's).
+        capacity_tokens: sequence length of the KV capacity figure.
     """
 
     concurrency: int = 64
@@ -149,10 +170,21 @@ class CompareSettings:
     threads: int = 0
     model: str | None = None
     dtype: str = "float32"
+    device: str = "cpu"
+    model_config: str | None = None
+    layers: int | None = None
+    hidden: int | None = None
+    max_model_len: int | None = None
+    capacity_tokens: int = 2048
+
+    @property
+    def on_cpu(self) -> bool:
+        """Whether every system runs on the CPU."""
+        return self.device == "cpu"
 
     def seed_threads(self) -> int:
-        """Threads of the seed baseline in force."""
-        return self.seed_pool or os.cpu_count() or 1
+        """Threads of the seed baseline in force (on an accelerator: 1, ``generate()`` one request at a time)."""
+        return self.seed_pool or (os.cpu_count() or 1 if self.on_cpu else 1)
 
     def torch_threads(self) -> int:
         """Threads in force: ``threads``, else half the host's cores (the other half serves front and client)."""
@@ -304,23 +336,21 @@ def _in_process_parts(settings: CompareSettings, report: _Report, info, spec: Wo
     """ceiling, engine, hf-cb, seed, naive: one model in this process."""
     from transformers import AutoTokenizer
 
-    from ringstream.daemon.engine import Engine
+    from ringstream.daemon.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, Engine
     from ringstream.daemon.model import load_model, load_tokenizer
-    from ringstream.tools import baselines
+    from ringstream.tools import baselines, bench_device
 
     stream = spec.requests()
     prompts = [next(stream).prompt_token_ids for _ in range(settings.requests)]
     workload = baselines.Workload(prompts, settings.max_tokens, settings.concurrency)
     try:
-        model = load_model(info, dtype=settings.dtype)
+        model = load_model(info, device=settings.device, dtype=settings.dtype)
         stock_attention = model.config._attn_implementation
-        engine = Engine(model, load_tokenizer(info), max_num_seqs=settings.concurrency,
-                        eos_token_ids=info.eos_token_ids)
     except Exception as exc:  # every in-process part needs the model: record the cause for each
         for name in IN_PROCESS_SYSTEMS:
             report.errors[name] = f"cannot load the model: {type(exc).__name__}: {exc}"
         return
-    prefill_tokens = engine.max_num_batched_tokens
+    prefill_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
     total_ceiling = settings.concurrency * settings.max_tokens
 
     @functools.cache
@@ -335,11 +365,27 @@ def _in_process_parts(settings: CompareSettings, report: _Report, info, spec: Wo
         report.systems["ceiling"]["tokens_per_run"] = total_ceiling
 
     def engine_part() -> None:
-        engine.warmup()
-        baselines.run_engine(engine, workload.head(settings.concurrency))
-        _measure(report, "engine", settings.repeats, lambda: _records_rate(baselines.run_engine(engine, workload)))
+        engine = Engine(model, load_tokenizer(info), max_num_seqs=settings.concurrency,
+                        max_model_len=settings.max_model_len, eos_token_ids=info.eos_token_ids,
+                        device=settings.device)
+        try:
+            engine.warmup()
+            report.systems["kv_capacity"] = bench_device.capacity(engine, settings.capacity_tokens)
+            baselines.run_engine(engine, workload.head(settings.concurrency))
+            _measure(report, "engine", settings.repeats,
+                     lambda: _records_rate(baselines.run_engine(engine, workload)))
+        finally:
+            del engine  # its KV pool: the device memory the transformers baselines need
+            _free_device_memory(settings.device)
+
+    def roofline() -> None:
+        report.systems["roofline"] = bench_device.roofline(
+            model, settings.concurrency, settings.prompt_len, settings.max_tokens, settings.device)
 
     def hf_cb() -> None:
+        if not hasattr(model, "init_continuous_batching"):
+            report.systems["hf-cb"] = {"skipped": f"transformers {transformers_version()} has no generate_batch"}
+            return
         # The ceiling and the engine ran with the engine's attention (daemon.attention); the
         # transformers baselines run as transformers ships them.
         model.set_attn_implementation(stock_attention)
@@ -358,14 +404,36 @@ def _in_process_parts(settings: CompareSettings, report: _Report, info, spec: Wo
         report.systems["seed"]["pool_size"] = settings.seed_threads()
 
     def naive() -> None:
+        if not settings.on_cpu:
+            report.systems["naive"] = {"skipped": "on an accelerator: see seed (generate() one at a time)"}
+            return
         baselines.run_naive(model, hf_tokenizer(), warm)
         head = workload.head(settings.naive_requests)
         _measure(report, "naive", 1, lambda: _records_rate(
             baselines.run_naive(model, hf_tokenizer(), head, settings.naive_time_limit_s)))
 
     parts = {"ceiling": ceiling, "engine": engine_part, "hf-cb": hf_cb, "seed": seed, "naive": naive}
+    _guard(report, "roofline", roofline)
     for name in IN_PROCESS_SYSTEMS:
         _guard(report, name, parts[name])
+    del model
+    _free_device_memory(settings.device)
+
+
+def _free_device_memory(device: str) -> None:
+    """Return freed tensors' device memory to the driver (for the next part, or the daemon's worker)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def transformers_version() -> str:
+    """The installed transformers version."""
+    return importlib.metadata.version("transformers")
 
 
 def _records_rate(records: list[RequestRecord]) -> tuple[float, list[RequestRecord]]:
@@ -387,9 +455,14 @@ def _daemon_part(settings: CompareSettings, report: _Report, name: str, serve_ar
     from ringstream.tools.bench_serving import idle_cpu_percent, running_daemon, write_config
 
     serve_config = {"worker_threads": settings.torch_threads(), "dtype": settings.dtype} | (config or {})
+    if settings.model is not None:
+        serve_config["model"] = settings.model  # the daemon serves the model the workload was made for
+    if settings.max_model_len and "max_model_len" not in serve_config:
+        serve_config["max_model_len"] = settings.max_model_len
     with tempfile.TemporaryDirectory(prefix="ringstream-bench-config-") as tmp:
         config_path = write_config(Path(tmp), serve_config)
-        args = ["--config", str(config_path), "--devices", "cpu", "--max-concurrency", str(concurrency),
+        device = "cpu" if "--engine" in serve_args else settings.device
+        args = ["--config", str(config_path), "--devices", device, "--max-concurrency", str(concurrency),
                 *serve_args]
         with running_daemon(args) as daemon:
             time.sleep(SETTLE_S)
@@ -425,6 +498,11 @@ def _serving_parts(settings: CompareSettings, report: _Report, spec: WorkloadSpe
 
     _guard(report, "daemon", lambda: _daemon_part(settings, report, "daemon", [], spec, settings.requests, False,
                                                   settings.concurrency))
+    if not settings.on_cpu:
+        skipped = "the serving layer alone does not depend on the device: see the CPU compare"
+        for name in ("synthetic", "zmq", "loadgen"):
+            report.systems[name] = {"skipped": skipped}
+        return
     reason = synthetic_engine_support()
     if reason is None:
         synthetic_args = ["--engine", "synthetic", "--synthetic-step-ms", str(settings.synthetic_step_ms)]
@@ -465,15 +543,48 @@ def compare(settings: CompareSettings, command: str = PROG) -> tuple[dict, dict[
 
     threads = settings.torch_threads()
     torch.set_num_threads(threads)
-    info = resolve_model_dir(settings.model)
-    spec = _workload_spec(settings, info)
-    report = _Report()
     started = time.perf_counter()
-    machine = machine_info()
-    _in_process_parts(settings, report, info, spec)
-    _serving_parts(settings, report, spec)
+    with _model_dir(settings) as model_dir:
+        info = resolve_model_dir(model_dir)
+        settings = replace(settings, model=str(info.path))
+        spec = _workload_spec(settings, info)
+        report = _Report()
+        machine = machine_info() | _device_info(settings.device)
+        _in_process_parts(settings, report, info, spec)
+        _serving_parts(settings, report, spec)
     seconds = time.perf_counter() - started
     return _assemble(settings, report, info, machine, command, threads, seconds), report.records
+
+
+@contextlib.contextmanager
+def _model_dir(settings: CompareSettings):
+    """The model directory of the run: ``settings.model``, or a temporary one written from ``model_config``."""
+    if settings.model_config is None:
+        yield settings.model
+        return
+    import tempfile
+
+    from ringstream.tools.model_configs import write_model
+
+    with tempfile.TemporaryDirectory(prefix="ringstream-bench-model-") as tmp:
+        _log(f"writing a random-weight {settings.model_config} ...")
+        start = time.perf_counter()
+        write_model(tmp, settings.model_config, layers=settings.layers, hidden=settings.hidden,
+                    dtype=settings.dtype, device=settings.device)
+        _free_device_memory(settings.device)
+        _log(f"model written in {time.perf_counter() - start:.1f} s")
+        yield tmp
+
+
+def _device_info(device: str) -> dict:
+    """The accelerator's name and memory, when ``device`` is one."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return {"device": device}
+    props = torch.cuda.get_device_properties(torch.device(device))
+    return {"device": device, "device_name": props.name, "device_memory_gib": props.total_memory / 2**30,
+            "cuda_version": torch.version.cuda}
 
 
 def _private_mib(proc) -> float:
@@ -481,6 +592,19 @@ def _private_mib(proc) -> float:
     from ringstream.tools.bench_serving import private_rss_bytes
 
     return private_rss_bytes(proc.pid) / 2**20
+
+
+def _roofline_bytes(roofline: dict | None) -> str:
+    if not roofline:
+        return "-"
+    return f"{roofline['weight_bytes'] / 1e6:.0f} + {roofline['kv_bytes'] / 1e6:.0f}"
+
+
+def _capacity(figures: dict | None) -> str:
+    if not figures:
+        return "-"
+    return (f"{figures['sequences']} of {figures['sequence_tokens']} tokens ({figures['kv_cache_tokens']:,} "
+            f"positions, {figures['kv_cache_bytes'] / 2**30:.2f} GiB, max_model_len {figures['max_model_len']})")
 
 
 def _rss(report: dict) -> str:
@@ -528,6 +652,9 @@ def _assemble(settings, report: _Report, info, machine: dict, command: str, thre
         "synthetic_front_rss_mib_before": systems.get("synthetic", {}).get("front_rss_mib_before"),
         "synthetic_front_rss_mib_after": systems.get("synthetic", {}).get("front_rss_mib_after"),
         "synthetic_requests_measured": systems.get("synthetic", {}).get("requests_measured"),
+        "roofline_tok_s": systems.get("roofline", {}).get("tok_s"),
+        "bandwidth_gb_s": systems.get("roofline", {}).get("bandwidth_gb_s"),
+        "kv_capacity_sequences": systems.get("kv_capacity", {}).get("sequences"),
     }
     ratios = {
         "engine_over_ceiling": _ratio(figures["engine_tok_s"], figures["ceiling_tok_s"]),
@@ -543,6 +670,9 @@ def _assemble(settings, report: _Report, info, machine: dict, command: str, thre
         "synthetic_tok_s_over_zmq_msg_s": _ratio(figures["synthetic_tok_s"], figures["zmq_msg_s"]),
         "synthetic_tok_s_over_loadgen_ceiling": _ratio(figures["synthetic_tok_s"], figures["loadgen_ceiling_tok_s"]),
         "synthetic_tok_s_over_daemon": _ratio(figures["synthetic_tok_s"], figures["daemon_tok_s"]),
+        "ceiling_over_roofline": _ratio(figures["ceiling_tok_s"], figures["roofline_tok_s"]),
+        "engine_over_roofline": _ratio(figures["engine_tok_s"], figures["roofline_tok_s"]),
+        "daemon_over_roofline": _ratio(figures["daemon_tok_s"], figures["roofline_tok_s"]),
     }
     return {
         **figures,
@@ -590,7 +720,7 @@ def print_compare(report: dict, console=None) -> None:
     for column in ("system", "tok/s", "req/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
                    "E2E p99 ms", "requests", "errors", "order viol."):
         table.add_column(column, justify="left" if column == "system" else "right")
-    for name in (*SYSTEMS, "synthetic"):
+    for name in (*SYSTEMS, "synthetic", "roofline"):
         entry = systems.get(name, {})
         summary = entry.get("summary")
         if "skipped" in entry or name in report["errors"]:
@@ -635,6 +765,9 @@ def print_compare(report: dict, console=None) -> None:
         ("idle daemon CPU % (front + workers)", _fmt(report["idle_cpu_percent"], ".2f")),
         ("idle synthetic daemon CPU %", _fmt(report["synthetic_idle_cpu_percent"], ".2f")),
         ("synthetic front private RSS MiB before / after", _rss(report)),
+        ("device copy bandwidth GB/s", _fmt(report.get("bandwidth_gb_s"), ".1f")),
+        ("roofline: bytes read per decode step (weights + KV) MB", _roofline_bytes(systems.get("roofline"))),
+        ("KV capacity: sequences at once", _capacity(systems.get("kv_capacity"))),
     )
     for label, value in rows:
         serving.add_row(label, value)
@@ -645,7 +778,8 @@ def print_compare(report: dict, console=None) -> None:
     console.print(serving)
     machine = report["machine"]
     console.print(
-        f"{machine['cpu_model']}, {machine['logical_cores']} logical cores, torch {machine['torch_version']}, "
+        f"{machine.get('device_name', machine['cpu_model'])}, {machine['logical_cores']} logical cores, "
+        f"torch {machine['torch_version']}, "
         f"transformers {machine['transformers_version']}, torch threads {report['settings']['torch_threads']}, {report['settings']['dtype']}, "
         f"load average at start {machine['load_average_at_start'][0]:.2f}; {report['seconds']:.0f} s"
     )
@@ -785,9 +919,23 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--repeats", type=int, help="runs of each throughput measurement")
     cmp.add_argument("--threads", type=int, help="torch threads of every part (default: half the cores)")
     cmp.add_argument("--seed-pool", type=int, help="threads of the seed baseline")
-    cmp.add_argument("--dtype", choices=["float32", "bfloat16"], help="dtype of every system (default float32)")
+    cmp.add_argument("--seed-requests", type=int, help="requests of the seed and naive baselines")
+    cmp.add_argument("--time-limit", type=float, help="the seed and naive baselines start no request after this (s)")
+    cmp.add_argument("--dtype", choices=["float32", "bfloat16"],
+                     help="dtype of every system (default float32 on CPU, bfloat16 elsewhere)")
     cmp.add_argument("--synthetic-step-ms", type=float, help="synthetic engine step time (default 1 ms)")
-    cmp.add_argument("--model", help="model directory (default: built-in model)")
+    models = cmp.add_mutually_exclusive_group()
+    models.add_argument("--model", help="model directory (default: built-in model)")
+    models.add_argument("--model-config", choices=sorted(MODEL_CONFIG_NAMES),
+                        help="a random-weight model of this published shape (no download)")
+    cmp.add_argument("--layers", type=int, help="with --model-config: decoder layers")
+    cmp.add_argument("--hidden", type=int, help="with --model-config: hidden size")
+    cmp.add_argument("--device", help="torch device of every system (default cpu), e.g. cuda:0")
+    cmp.add_argument("--concurrency", type=int, help="streams in flight (default 64)")
+    cmp.add_argument("--prompt-len", type=int, help="prompt tokens (default 64)")
+    cmp.add_argument("--max-tokens", type=int, help="new tokens per request (default 32)")
+    cmp.add_argument("--max-model-len", type=int, help="context length of the engine and the daemon")
+    cmp.add_argument("--capacity-tokens", type=int, help="sequence length of the KV capacity figure (default 2048)")
     cmp.add_argument("--json", help="write the report to this file")
     cmp.add_argument("--plot", help="draw every system's latency CDFs and tokens/s over time (needs matplotlib)")
     return parser
@@ -835,7 +983,16 @@ def _compare_command(args: argparse.Namespace, command: str) -> int:
     overrides = {
         "requests": args.requests, "repeats": args.repeats, "threads": args.threads, "seed_pool": args.seed_pool,
         "synthetic_step_ms": args.synthetic_step_ms, "model": args.model, "dtype": args.dtype,
+        "device": args.device, "model_config": args.model_config, "layers": args.layers, "hidden": args.hidden,
+        "concurrency": args.concurrency, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+        "max_model_len": args.max_model_len, "capacity_tokens": args.capacity_tokens,
+        "seed_requests": args.seed_requests, "naive_requests": args.seed_requests,
+        "naive_time_limit_s": args.time_limit,
     }
+    if args.device not in (None, "cpu") and args.dtype is None:
+        overrides["dtype"] = "bfloat16"
+    if (args.layers or args.hidden) and not args.model_config:
+        raise WorkloadError("--layers and --hidden shrink a --model-config model")
     settings = replace(settings, **{k: v for k, v in overrides.items() if v is not None})
     if args.plot:
         _pyplot()

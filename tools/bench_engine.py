@@ -74,12 +74,13 @@ class LockstepKVCache:
     columns ``[0, start + q)``.
     """
 
-    def __init__(self, config, batch: int, capacity: int, dtype: torch.dtype) -> None:
+    def __init__(self, config, batch: int, capacity: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         shape = (batch, kv_heads, capacity, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(config.num_hidden_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
         self.start = 0
         self.rows = slice(None)
 
@@ -98,19 +99,22 @@ def bare_decode_loop(
 
     The prefill runs in row chunks of at most ``prefill_tokens`` tokens (the
     engine's ``max_num_batched_tokens``; on CPU smaller chunks are also
-    faster), then all rows decode together.
+    faster), then all rows decode together, on the model's device (each
+    step ends with the sampled tokens on the host, as the engine's does).
 
     Returns ``(tokens [batch, max_tokens], seconds, decode step seconds)``.
     """
     batch, prompt_len = prompts.shape
-    dtype = next(model.parameters()).dtype
+    weight = next(model.parameters())
+    dtype, device = weight.dtype, weight.device
+    prompts = prompts.to(device)
     with torch.inference_mode():
-        cache = LockstepKVCache(model.config, batch, prompt_len + max_tokens, dtype)
-        causal = torch.full((prompt_len, prompt_len), float("-inf"), dtype=dtype).triu_(1)
-        decode_mask = torch.zeros((1, 1, 1, prompt_len + max_tokens), dtype=dtype)
-        generated = torch.empty((batch, max_tokens), dtype=torch.long)
+        cache = LockstepKVCache(model.config, batch, prompt_len + max_tokens, dtype, device)
+        causal = torch.full((prompt_len, prompt_len), float("-inf"), dtype=dtype, device=device).triu_(1)
+        decode_mask = torch.zeros((1, 1, 1, prompt_len + max_tokens), dtype=dtype, device=device)
+        generated = torch.empty((batch, max_tokens), dtype=torch.long, device=device)
         start = time.perf_counter()
-        positions = torch.arange(prompt_len).unsqueeze(0).expand(batch, -1)
+        positions = torch.arange(prompt_len, device=device).unsqueeze(0).expand(batch, -1)
         chunk = max(1, prefill_tokens // prompt_len)
         for first in range(0, batch, chunk):
             cache.rows = slice(first, first + chunk)
@@ -128,7 +132,7 @@ def bare_decode_loop(
         for i in range(1, max_tokens):
             step_start = time.perf_counter()
             cache.start = prompt_len + i - 1
-            position = torch.full((batch, 1), cache.start, dtype=torch.long)
+            position = torch.full((batch, 1), cache.start, dtype=torch.long, device=device)
             logits = model(
                 input_ids=token.unsqueeze(1),
                 attention_mask=decode_mask[..., : cache.start + 1],
@@ -140,7 +144,7 @@ def bare_decode_loop(
             token.tolist()
             step_times.append(time.perf_counter() - step_start)
         seconds = time.perf_counter() - start
-    return generated, seconds, step_times
+    return generated.cpu(), seconds, step_times
 
 
 def engine_run(

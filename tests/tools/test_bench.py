@@ -264,3 +264,33 @@ def test_compare_smoke_produces_every_key(tmp_path, capsys):
     assert report["settings"]["torch_threads"] >= 1
     printed = capsys.readouterr().out
     assert "daemon / engine" in printed and "zmq" in printed
+
+
+@pytest.mark.timeout(SMOKE_TIMEOUT_S)
+def test_compare_serves_a_model_config_everywhere_with_the_roofline(tmp_path, capsys):
+    """A shrunk published shape reaches every system (the daemon too: no request is refused) and the roofline row."""
+    out = tmp_path / "bench.json"
+    code = bench.main(["compare", "--smoke", "--model-config", "llama-3.2-1b", "--layers", "1", "--hidden", "256",
+                       "--max-model-len", "128", "--capacity-tokens", "64", "--threads", "1", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["errors"] == {}, report["errors"]
+    assert code == 0
+    daemon = report["systems"]["daemon"]["summary"]
+    assert daemon["errors"] == {} and daemon["completed"] == daemon["requests"] > 0
+    assert report["daemon_tok_s"] > 0 and report["engine_tok_s"] > 0 and report["hf_cb_tok_s"] > 0
+    roofline = report["systems"]["roofline"]
+    # 1 layer at hidden 256 over Llama 3's 128,256-token tied embedding, float32
+    assert roofline["weight_bytes"] > 128256 * 256 * 4
+    assert roofline["bytes"] == roofline["weight_bytes"] + roofline["kv_bytes"] > 0
+    assert roofline["tok_s"] == pytest.approx(4 / (roofline["bytes"] / (roofline["bandwidth_gb_s"] * 1e9)))
+    assert report["ratio_engine_over_roofline"] == pytest.approx(report["engine_tok_s"] / report["roofline_tok_s"])
+    capacity = report["systems"]["kv_capacity"]
+    assert capacity["max_model_len"] == 128 and capacity["sequence_tokens"] == 64
+    assert capacity["sequences"] == capacity["kv_cache_tokens"] // 64 >= 1
+    assert report["settings"]["model_config"] == "llama-3.2-1b" and report["settings"]["device"] == "cpu"
+    assert "roofline" in capsys.readouterr().out
+
+
+def test_layers_without_a_model_config_is_an_error(capsys):
+    assert bench.main(["compare", "--smoke", "--layers", "2"]) == 2
+    assert "--model-config" in capsys.readouterr().err
