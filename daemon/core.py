@@ -73,7 +73,7 @@ class FrontCore:
         self.started = clock()
         self.exit_code = 0
         self.clients = ClientTable()
-        self.outbox = Outbox(self.clients, ports, self.metrics, clock, self.retry_blocked)
+        self.outbox = Outbox(self.clients, ports, self.metrics, clock, self._deliver)
         self.scheduler = Scheduler(policy_of(config))
         self.scheduler.workers = [WorkerBudget(i) for i in range(num_workers)]
         self.worker_loads = [P.WorkerHeartbeat(worker=i, running=0, waiting=0, steps=0) for i in range(num_workers)]
@@ -214,16 +214,12 @@ class FrontCore:
 
     # ------------------------------------------------------------ delivery
 
-    def _deliver(self, requests: Iterable[Request]) -> None:
-        """Send what is pending for each request; act on clients found gone."""
-        for identity in self.outbox.flush(requests):
-            self.client_gone(identity)
-        self.advance_shutdown()
-
-    def retry_blocked(self) -> None:
-        """The outbox's retry timer: send what met a full client queue."""
-        self.ports.poll_connections()
-        for identity in self.outbox.retry():
+    def _deliver(self, requests: Iterable[Request] | None = None) -> None:
+        """Send what is pending for each request (None: the outbox's retry of what met a full client queue);
+        act on clients found gone."""
+        if requests is None:
+            self.ports.poll_connections()
+        for identity in self.outbox.flush(requests) if requests is not None else self.outbox.retry():
             self.client_gone(identity)
         self.advance_shutdown()
 

@@ -42,7 +42,7 @@ import zmq.asyncio
 from ringstream.daemon.client_socket import ClientSocket
 from ringstream.daemon.config import Config, load_config, parse_devices, runtime_dir
 from ringstream.daemon.core import ABORT_GRACE_S, FrontCore
-from ringstream.daemon.http_child import HttpSpec, bind_listener, check_api_key_file
+from ringstream.daemon.http_child import HttpChild, HttpSpec, bind_listener, check_api_key_file
 from ringstream.daemon.intake import Intake
 from ringstream.daemon.metrics import Metrics
 from ringstream.daemon.model import ModelInfo, load_tokenizer, resolve_model_dir
@@ -53,7 +53,7 @@ from ringstream.daemon.settings import reload_changes
 from ringstream.daemon.status import build_status, update_gauges
 from ringstream.daemon.validate import Validator
 from ringstream.daemon.worker_pool import (
-    JOIN_GRACE_S, HttpChild, InstanceLock, StartupError, WorkerPool, WorkerProcess, create_workers,
+    JOIN_GRACE_S, InstanceLock, StartupError, WorkerPool, WorkerProcess, create_workers,
     ensure_open_files, open_files_needed,
 )
 from ringstream.ipc import protocol as P

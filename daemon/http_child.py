@@ -8,8 +8,9 @@ socket. The child reports that it listens over a pipe, and exits on SIGTERM
 (stops accepting, gives streams in flight ``shutdown_grace_s``, exits 0),
 when the front dies (``PR_SET_PDEATHSIG``), with 1 when it cannot listen
 and 2 for a configuration error. SIGINT is ignored: the front drains and
-then tells the child to stop. This module imports no aiohttp at its top, so
-that the front does not load it.
+then tells the child to stop. :class:`HttpChild` is the front's side of it:
+spawn, watch, restart with the workers' backoff, stop with their deadlines.
+This module imports no aiohttp at its top, so that the front does not load it.
 """
 
 from __future__ import annotations
@@ -17,15 +18,19 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import multiprocessing
 import os
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 from ringstream.daemon.proctitle import http_title, set_process_title
+from ringstream.daemon.worker_pool import EXIT_REAP_S, backoff, join_with_deadlines
 
-__all__ = ["HttpSpec", "bind_listener", "check_api_key_file", "http_main"]
+__all__ = ["HttpChild", "HttpSpec", "bind_listener", "check_api_key_file", "http_main"]
 
 log = logging.getLogger("ringstream.http")
 
@@ -132,3 +137,109 @@ def check_api_key_file(path: str) -> None:
         raise ValueError(f"cannot read the API key file {path}: {exc}") from None
     if not key:
         raise ValueError(f"the API key file {path} is empty")
+
+
+class HttpChild:
+    """The HTTP API child process (``serve --http``): spawned, watched, restarted with backoff, stopped.
+
+    ``listener``: the TCP socket the front bound, handed to every child (so connections wait in its backlog
+    while a child restarts) and closed by :meth:`terminate`. ``still_wanted()``: whether an exit is restarted
+    (the daemon serves). ``on_start_failed(message)``: the first child exited before it listened.
+    """
+
+    def __init__(self, spec: HttpSpec, listener: socket.socket | None, still_wanted: Callable[[], bool],
+                 on_start_failed: Callable[[str], None], on_restart: Callable[[], None] | None = None) -> None:
+        self.spec = spec
+        self.listener = listener
+        self.still_wanted = still_wanted
+        self.on_start_failed = on_start_failed
+        self.on_restart = on_restart or (lambda: None)
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self.pid = 0
+        self.alive = False
+        self.listening = False
+        """The current child said it listens."""
+        self.served = False
+        """Some child listened since the start (a later failure is restarted, not a failed start)."""
+        self.stopping = False
+        self.failures: list[float] = []
+        self._ready = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        """Spawn the child (spawn method) and watch its sentinel and its ready pipe."""
+        ctx = multiprocessing.get_context("spawn")
+        reader, writer = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=http_main, args=(self.spec, self.listener, writer), name="ringstream-http")
+        try:
+            self.process.start()
+        finally:
+            writer.close()
+        self.pid, self.alive, self.listening, self._ready = self.process.pid, True, False, reader
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.process.sentinel, self._exited)
+        loop.add_reader(reader.fileno(), self._read_ready)
+
+    def _read_ready(self) -> None:
+        reader, self._ready = self._ready, None
+        if reader is None:
+            return
+        asyncio.get_running_loop().remove_reader(reader.fileno())
+        try:
+            self.listening = reader.poll(0) and reader.recv_bytes() == READY
+        except (EOFError, OSError):
+            self.listening = False
+        reader.close()
+        self.served = self.served or self.listening
+
+    def _exited(self) -> None:
+        asyncio.get_running_loop().remove_reader(self.process.sentinel)
+        self._read_ready()  # it may have listened just before it died
+        self.alive = False
+        self.process.join(EXIT_REAP_S)
+        code = self.process.exitcode
+        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        if self.stopping:
+            log.info("HTTP server (pid %d) exited: %s", self.pid, how)
+        elif not self.served:
+            log.error("HTTP server (pid %d) exited before it listened: %s", self.pid, how)
+            self.on_start_failed(f"the HTTP server exited before it listened ({how}); see its log above")
+        elif self.still_wanted():
+            self.failures, delay = backoff(self.failures, time.monotonic())
+            self.on_restart()
+            log.error("HTTP server (pid %d) exited: %s; restarting it in %.1f s", self.pid, how, delay)
+            self._timer = asyncio.get_running_loop().call_later(delay, self._restart)
+
+    def _restart(self) -> None:
+        self._timer = None
+        if self.stopping or self.alive or not self.still_wanted():
+            return
+        self.process.close()
+        self.start()
+
+    def terminate(self) -> None:
+        """Stop accepting: close the front's listener and send the child SIGTERM (it finishes the streams in
+        flight within ``spec.shutdown_grace_s``, then exits). No restart follows. Safe to call twice."""
+        self.stopping = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.listener is not None:
+            self.listener.close()
+        if self.alive and self.process is not None:
+            self.process.terminate()
+
+    async def stop(self) -> None:
+        """:meth:`terminate`, then join the child: SIGTERM and SIGKILL past each JOIN_GRACE_S."""
+        self.terminate()
+        proc, self.process = self.process, None
+        if proc is None:
+            return
+        if self.alive:
+            asyncio.get_running_loop().remove_reader(proc.sentinel)
+        if self._ready is not None:
+            asyncio.get_running_loop().remove_reader(self._ready.fileno())
+            self._ready.close()
+            self._ready = None
+        await asyncio.to_thread(join_with_deadlines, proc, "HTTP server")
+        self.alive = False
