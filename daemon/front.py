@@ -124,13 +124,15 @@ class Front:
         self.notifier.ready(status=f"serving on {len(self.workers)} worker(s)")
 
     def stopping(self) -> None:
-        if self.http is not None:
-            self.http.terminate()  # stops accepting now; its streams in flight finish within the drain
+        # The HTTP child keeps accepting while the daemon drains: /health answers 503 "draining" and new
+        # requests 503 SHUTTING_DOWN (what a load balancer expects), its streams in flight go on.
         drain_s = self.core.config.drain_timeout_s
         self.notifier.stopping(status=f"draining (up to {drain_s:.0f} s)")
         self.notifier.extend_timeout(drain_s + 2 * ABORT_GRACE_S + 2 * JOIN_GRACE_S + TIMEOUT_MARGIN_S)
 
     def stopped(self) -> None:
+        if self.http is not None:
+            self.http.terminate()  # every stream's last message is delivered: it relays them, then exits
         self.stopped_event.set()
 
     def poll_connections(self) -> None:

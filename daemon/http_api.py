@@ -51,6 +51,8 @@ SHUTDOWN_GRACE_S = 5.0
 UNIX_SOCKET_MODE = 0o600
 READY_LINE = "ringstream http: serving on"
 """The start of the line printed (and flushed) on stdout once every address is bound; the URLs follow."""
+CLOSE_MARGIN_S = 1.0
+"""Past ``shutdown_grace_s`` plus this, connections still open at the stop are aborted."""
 
 __all__ = ["ConfigError", "HttpLimits", "HttpServer", "check_listen_auth", "main", "parse_listen",
            "read_api_key", "run_http_server"]
@@ -176,7 +178,14 @@ class HttpServer:
         connection and the daemon client (which cancels its open requests on the daemon). Safe to call twice."""
         runner, self._runner = self._runner, None
         if runner is not None:
-            await runner.cleanup()
+            # aiohttp waits up to shutdown_timeout for each handler, then again for one blocked writing to a
+            # client that does not read: past the grace plus a margin, abort what is still open instead.
+            cleanup = asyncio.ensure_future(runner.cleanup())
+            done, _ = await asyncio.wait({cleanup}, timeout=self.shutdown_grace_s + CLOSE_MARGIN_S)
+            if not done and self.cap is not None:
+                log.warning("aborting %d connection(s) still open after the %.0f s grace",
+                            self.cap.abort_all(), self.shutdown_grace_s)
+            await cleanup
         client, self.client = self.client, None
         if client is not None:
             await client.close()

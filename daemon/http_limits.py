@@ -157,6 +157,16 @@ class ConnectionCap:
         server.connection_made = connection_made
         server.connection_lost = connection_lost
 
+    def abort_all(self) -> int:
+        """Abort every admitted connection's transport (the stop's last resort for clients that do not read:
+        their handlers' pending writes then fail at once). Returns how many."""
+        handlers = list(self._open)
+        for handler in handlers:
+            transport = handler.transport
+            if transport is not None:
+                transport.abort()
+        return len(handlers)
+
     def _refuse(self, handler, transport) -> None:
         self.refused += 1
         transport.write(REFUSAL)

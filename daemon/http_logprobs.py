@@ -37,6 +37,7 @@ class TokenStrings:
     def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self._lengths: dict[int, int] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -45,6 +46,15 @@ class TokenStrings:
             if len(self._cache) < MAX_CACHED_TOKENS:
                 self._cache[token_id] = text
         return text
+
+    def text_length(self, token_id: int) -> int:
+        """Characters ``token_id`` adds to the output text: 0 for a special token (BOS...), which the text skips."""
+        length = self._lengths.get(token_id)
+        if length is None:
+            length = len(self._tokenizer.decode([token_id], skip_special_tokens=True))
+            if len(self._lengths) < MAX_CACHED_TOKENS:
+                self._lengths[token_id] = length
+        return length
 
     def decode(self, ids: list[int]) -> str:
         """The text of a whole id sequence (special tokens skipped, as the daemon's output text)."""
@@ -61,13 +71,13 @@ def completion_logprobs(entries: list[P.TokenLogprob | None], ids: list[int], na
         text = names(token_id)
         tokens.append(text)
         offsets.append(offset)
-        offset += len(text)
+        offset += names.text_length(token_id)
         if entry is None:
             values.append(None)
             tops.append(None)
-        else:
+        else:  # the chosen token and the top ones, as vLLM's completions answer them (up to logprobs + 1)
             values.append(_clamp(entry.logprob))
-            tops.append({names(t): _clamp(lp) for t, lp in entry.top})
+            tops.append({text: _clamp(entry.logprob)} | {names(t): _clamp(lp) for t, lp in entry.top})
     return S.CompletionLogprobs(tokens, values, tops, offsets)
 
 

@@ -270,10 +270,14 @@ def test_logprobs_echo_and_penalties_over_the_synthetic_engine(api, daemon, tmp_
     assert lp.token_logprobs[1:] == [-0.5] * (len(prompt_ids) + 2)
     assert all(max(top.values()) == -0.5 and set(top.values()) <= {-0.5, -1.5} for top in lp.top_logprobs[1:])
     assert lp.tokens[:len(prompt_ids)] == [tok.decode([i], skip_special_tokens=False) for i in prompt_ids]
-    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert lp.tokens[0] == "<s>" and choice.text.startswith("hello")  # BOS is no text: the offsets skip it
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[1:i]) for i in range(len(lp.tokens))]
+    prompt_tokens = range(1, len(prompt_ids))  # (the synthetic engine's text is not its tokens' decode)
+    assert all(choice.text.startswith(lp.tokens[i], lp.text_offset[i]) for i in prompt_tokens)
     plain = api.completions.create(model=MODEL, prompt="hello world", max_tokens=2, logprobs=0)
     assert plain.choices[0].text == " t0 t1" and plain.choices[0].logprobs.token_logprobs == [-0.5, -0.5]
-    assert plain.choices[0].logprobs.top_logprobs == [{}, {}]
+    chosen = plain.choices[0].logprobs.tokens
+    assert plain.choices[0].logprobs.top_logprobs == [{chosen[0]: -0.5}, {chosen[1]: -0.5}]  # the chosen token only
     assert api.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].logprobs is None
     streamed = list(api.completions.create(model=MODEL, prompt="hello world", max_tokens=3, logprobs=1, echo=True,
                                            stream=True))
@@ -281,7 +285,7 @@ def test_logprobs_echo_and_penalties_over_the_synthetic_engine(api, daemon, tmp_
     tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
     offsets = [o for c in streamed if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
     assert len(tokens) == len(lp.tokens) and tokens[:len(prompt_ids)] == lp.tokens[:len(prompt_ids)]
-    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]  # one running offset
+    assert offsets == [sum(len(t) for t in tokens[1:i]) for i in range(len(tokens))]  # one running offset
     template = tmp_path / "chat.jinja"
     template.write_text(CHATML)
     with running_http(daemon.address, "--chat-template", str(template)) as s:

@@ -18,6 +18,7 @@ import contextlib
 import http.client
 import json
 import resource
+import signal
 import socket
 import struct
 import subprocess
@@ -322,3 +323,24 @@ def test_limits_are_checked_and_fitted_to_the_open_file_limit():
     out = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, timeout=30)
     assert out.stdout.split() == ["100", str(200 - OWN_FILES), "200"], out.stderr
     assert f"allows {200 - OWN_FILES} connections, not 1000" in out.stderr
+
+
+def test_a_stop_with_clients_that_do_not_read_ends_after_the_grace(daemon):
+    """aiohttp alone would wait the grace twice over for a handler blocked writing to a client that does not
+    read; the server aborts such connections once the grace (plus a margin) is over."""
+    grace = 3.0
+    with running_http(daemon.address, "--shutdown-grace", str(grace), "--write-timeout", "60") as server, \
+            closing_sockets() as socks:
+        for _ in range(2):
+            stuck = socket.socket()
+            socks.append(stuck)
+            stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            stuck.connect(host_port(server.url))
+            stuck.sendall(post_bytes("/v1/completions", json.dumps(
+                {"prompt": "x", "n": 4, "max_tokens": LONG_TOKENS, "ignore_eos": True, "stream": True,
+                 "logprobs": 20}).encode()))
+        time.sleep(1.5)  # their buffers fill; the handlers block writing
+        started = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(4 * grace) == 0
+        assert time.monotonic() - started < 2 * grace - 0.5, "the stop waited the grace twice"

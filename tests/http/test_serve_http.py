@@ -113,24 +113,33 @@ def test_killed_http_child_is_restarted(daemon):
     assert http_pid(daemon) == pid
 
 
+def requests_get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
 def test_sigterm_finishes_the_http_stream_in_flight_then_stops(tmp_path):
     with running_daemon(tmp_path, *STEP_ARGS, "--http", "127.0.0.1:0") as daemon:
         url = http_url(daemon)
         child = http_pid(daemon)
-        host, port = url[len("http://"):].rsplit(":", 1)
         with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30) as api:
             stream = api.completions.create(model=MODEL, prompt="x", max_tokens=80, stream=True,
                                             extra_body={"ignore_eos": True})
             texts = [next(stream).choices[0].text]
             daemon.proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + WAIT_S
-            while True:  # no new connection once the drain began
-                try:
-                    socket.create_connection((host, int(port)), timeout=1).close()
-                except OSError:
+            while True:  # during the drain: /health says so, new requests get 503 SHUTTING_DOWN
+                health = requests_get(url + "/health")
+                if health[0] == 503 and b"draining" in health[1]:
                     break
-                assert time.monotonic() < deadline, "the HTTP port still accepts during the drain"
+                assert time.monotonic() < deadline, f"/health during the drain: {health}"
                 time.sleep(0.05)
+            with pytest.raises(openai.InternalServerError) as refused:
+                api.completions.create(model=MODEL, prompt="x", max_tokens=2)
+            assert refused.value.status_code == 503 and "SHUTTING_DOWN" in str(refused.value)
             finish = None
             for chunk in stream:
                 if chunk.choices:
