@@ -21,7 +21,7 @@
 #     --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d .whl \
 #     msgspec pyzmq setproctitle pytest-rerunfailures
 #   python3 -m pip wheel --no-deps -w .whl .        # ringstream itself (pure Python)
-# Keep one version of each. The folder travels with the working tree (carry it when it is git-ignored).
+# Keep one version of each, and copy the folder to the GPU host with the checkout.
 set -uo pipefail
 
 DRY_RUN=0
