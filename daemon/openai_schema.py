@@ -101,13 +101,26 @@ def api_error_from(exc: RingstreamError) -> ApiError:
     if isinstance(exc, PromptTooLong):
         return bad_request(str(exc), "prompt", "context_length_exceeded")
     if isinstance(exc, InvalidRequest):
-        return bad_request(str(exc), None, str(exc.code))
+        return bad_request(str(exc), _param_named(str(exc)), str(exc.code))
     if isinstance(exc, _RETRYABLE):
         return unavailable(str(exc), str(exc.code))
     if isinstance(exc, DaemonUnavailable):
         return unavailable(f"the inference daemon is unavailable: {exc}", "daemon_unavailable")
     code = getattr(exc, "code", None)
     return ApiError(500, str(exc), "server_error", None, None if code is None else str(code))
+
+
+_PARAM_IN_MESSAGE = re.compile(r"\b([a-z][a-z_]+)\b")
+
+
+def _param_named(message: str) -> str | None:
+    """The request field a daemon's INVALID_REQUEST message is about: the first word of it that names a field
+    of the OpenAI request (``min_tokens (5) must be <= ...``, ``empty prompt``, ``at `sampling.max_tokens` ``);
+    else None."""
+    for name in _PARAM_IN_MESSAGE.findall(message):
+        if name in _REQUEST_FIELDS:
+            return name
+    return None
 
 
 # --------------------------------------------------------------------------
@@ -185,6 +198,11 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     tools: Any = None
     tool_choice: Any = None
     response_format: Any = None
+
+
+_REQUEST_FIELDS = (frozenset(CompletionRequest.__struct_fields__) | frozenset(ChatCompletionRequest.__struct_fields__)) \
+    - {"model", "user"}
+"""The names a request may carry that a daemon's refusal can be about, for naming its ``param``."""
 
 
 _PARAM_AT = re.compile(r"at `\$\.([A-Za-z_]+)")

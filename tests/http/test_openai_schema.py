@@ -205,3 +205,15 @@ def test_logprobs_bodies_from_token_logprobs():
     assert msgspec.json.decode(S.JSON_ENCODER.encode(chat)) == {"content": [{
         "token": "<7>", "logprob": -1.0, "bytes": list(b"<7>"),
         "top_logprobs": [{"token": "<7>", "logprob": -1.0, "bytes": list(b"<7>")}]}], "refusal": None}
+
+
+@pytest.mark.parametrize("message, param", [
+    ("INVALID_REQUEST: min_tokens (5) must be <= max_tokens (2)", "min_tokens"),
+    ("INVALID_REQUEST: bad message: Expected `int` >= 1 - at `sampling.max_tokens`", "max_tokens"),
+    ("INVALID_REQUEST: empty prompt", "prompt"),
+    ("INVALID_REQUEST: the model has no chat template", None),
+    ("INVALID_REQUEST: internal limits", None),
+])
+def test_a_daemon_refusal_names_the_param_it_is_about(message, param):
+    error = S.api_error_from(E.InvalidRequest(message, "r1"))
+    assert (error.status, error.body()["error"]["param"]) == (400, param)
