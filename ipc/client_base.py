@@ -212,6 +212,7 @@ class ClientBase:
 
     @property
     def heartbeat_s(self) -> float:
+        """Seconds between heartbeats while requests are open (also the liveness probe's period); settable."""
         return self._live.heartbeat_s
 
     @heartbeat_s.setter
@@ -220,6 +221,7 @@ class ClientBase:
 
     @property
     def timeout_s(self) -> float:
+        """Seconds of daemon silence, with requests open, before they fail with DaemonUnavailable; settable."""
         return self._live.timeout_s
 
     @timeout_s.setter

@@ -42,6 +42,7 @@ class Liveness:
 
     @property
     def probe_after_s(self) -> float:
+        """Seconds an unanswered ping waits before the socket is probed."""
         return min(PROBE_AFTER_S, self.heartbeat_s)
 
     def heard(self, now: float) -> None:
@@ -67,12 +68,15 @@ class Liveness:
         return self.heard_at is None or now - self.heard_at > self.heartbeat_s
 
     def heartbeat_due(self, now: float) -> bool:
+        """Whether a heartbeat should be sent at ``now`` (monotonic seconds)."""
         return now >= self.next_heartbeat
 
     def heartbeat_sent(self, now: float) -> None:
+        """A heartbeat was sent at ``now``: the next is one period later."""
         self.next_heartbeat = now + self.heartbeat_s
 
     def probe_due(self, now: float) -> bool:
+        """Whether a ping has gone unanswered for ``probe_after_s`` at ``now``."""
         return self.pinged_at is not None and now - self.pinged_at >= self.probe_after_s
 
     def probed(self) -> None:
