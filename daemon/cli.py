@@ -183,9 +183,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from ringstream.daemon.config import load_config
-    from ringstream.daemon.front import serve
-    from ringstream.daemon.proctitle import front_title, set_process_title
+    from ringstream.daemon.common.config import load_config
+    from ringstream.daemon.front.shell import serve
+    from ringstream.daemon.common.proctitle import front_title, set_process_title
 
     overrides = dict(
         socket=args.socket, instance=args.instance, model=args.model, devices=args.devices, engine=args.engine,

@@ -1,7 +1,7 @@
 """``ringstream demo``: a daemon on the built-in model, a batch of live streams, a summary.
 
 Starts ``ringstream serve`` as a child process on a private socket
-(:class:`ringstream.tools.daemon_process.DaemonProcess`), waits for it to be
+(:class:`ringstream.daemon.launcher.DaemonProcess`), waits for it to be
 ready, streams a batch of concurrent prompts (live in a terminal, plain text
 otherwise), prints throughput and latency (TTFT and E2E percentiles), then
 stops the daemon and checks it exited cleanly.
@@ -25,7 +25,7 @@ from rich.live import Live
 from rich.table import Table
 
 from ringstream.ipc.client import AsyncClient, RingstreamError
-from ringstream.tools.daemon_process import DaemonProcess, DaemonStartError
+from ringstream.daemon.launcher import DaemonProcess, DaemonStartError
 
 PROMPTS = [
     "The socket module provides", "Return the number of", "Create a new instance of", "This function is used to",

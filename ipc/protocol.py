@@ -62,7 +62,8 @@ from ringstream.ipc.wire import (  # noqa: F401  (re-exported: the protocol's on
 from ringstream.ipc.worker_protocol import (  # noqa: F401  (re-exported)
     COMMAND_DECODER, EVENT_DECODER, FINISH_DECODER, PROMPT_LOGPROBS_DECODER, TOKEN_PAYLOAD_DECODER,
     FLAG_LOGPROBS, WORKER_ERROR_DECODER, Abort, Assign, Doorbell, Finish, TokenPayload,
-    RingSpace, Shutdown, WorkerCommand, WorkerError, WorkerEvent, WorkerHeartbeat, WorkerReady, WorkerStartFailed,
+    RingSpace, Shutdown, WorkerCapacity, WorkerCommand, WorkerError, WorkerEvent, WorkerHeartbeat, WorkerReady,
+    WorkerStartFailed,
 )
 
 PROTOCOL_VERSION = 2

@@ -65,20 +65,31 @@ WorkerCommand = Union[Assign, Abort, RingSpace, Shutdown]
 # worker -> front
 
 
+class WorkerCapacity(Struct, **WIRE):
+    """What one worker can hold, fixed from its start to its exit: sent in its ``WorkerReady``, held whole by the
+    front's scheduler."""
+
+    max_num_seqs: int = 0
+    """Sequences it runs at once (batch rows)."""
+    max_model_len: int = 0
+    """Most tokens (prompt + output) per request."""
+    kv_cache_tokens: int = 0
+    """Token positions its KV cache holds (a whole number of blocks)."""
+    kv_cache_bytes: int = 0
+    """Bytes allocated for its KV cache."""
+    block_size: int = 1
+    """Token positions per KV-cache block."""
+    prefix_caching: bool = False
+    """The engine reuses the KV blocks of prompt prefixes (the front then places requests by prefix)."""
+
+
 class WorkerReady(Struct, tag="worker_ready", **WIRE):
     """The worker loaded its model and warmed up; its capacity."""
 
     worker: int
     pid: int
     device: str
-    max_num_seqs: int
-    max_model_len: int
-    kv_cache_tokens: int
-    kv_cache_bytes: int
-    block_size: int = 1
-    """Token positions per KV-cache block; ``kv_cache_tokens`` is a whole number of blocks."""
-    prefix_caching: bool = False
-    """The engine reuses the KV blocks of prompt prefixes (the front then places requests by prefix)."""
+    capacity: WorkerCapacity
 
 
 class WorkerStartFailed(Struct, tag="worker_start_failed", **WIRE):

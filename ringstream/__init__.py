@@ -7,7 +7,7 @@ Apps write::
 The daemon's parts install under this one name: ``ringstream.daemon``
 (front, scheduler, workers, engine), ``ringstream.ipc`` (protocol, rings,
 client) and ``ringstream.tools`` (ringstream-top, benchmarks). The client
-names below are loaded on first use, so ``import ringstream.daemon.worker``
+names below are loaded on first use, so ``import ringstream.daemon.worker.loop``
 does not pull in the client and ``import ringstream`` stays cheap.
 """
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -27,7 +29,7 @@ def test_wheel_holds_only_the_ringstream_package(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
     assert tops == {"ringstream"}
-    for module in ("ringstream/__init__.py", "ringstream/daemon/front.py", "ringstream/ipc/client.py",
+    for module in ("ringstream/__init__.py", "ringstream/daemon/front/shell.py", "ringstream/ipc/client.py",
                    "ringstream/ipc/ring/walk.py", "ringstream/tools/ringtop.py",
                    "ringstream/daemon/default_model/config.json"):
         assert module in names
@@ -43,7 +45,7 @@ def test_a_foreign_daemon_module_changes_nothing(tmp_path):
     (foreign / "__init__.py").write_text("raise ImportError('the foreign daemon package was imported')\n")
     (tmp_path / "site" / "tools").mkdir()
     (tmp_path / "site" / "tools" / "__init__.py").write_text("raise ImportError('foreign tools imported')\n")
-    code = ("import ringstream, ringstream.daemon.front, ringstream.daemon.cli, ringstream.tools.ringtop\n"
+    code = ("import ringstream, ringstream.daemon.front.shell, ringstream.daemon.cli, ringstream.tools.ringtop\n"
             "from ringstream import Client, AsyncClient, QueueFull\n"
             "print(ringstream.__version__, Client.__module__)")
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}

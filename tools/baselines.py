@@ -10,7 +10,7 @@ which has no requests:
 * ``ceiling``: the bare lockstep batched decode loop over a preallocated
   cache of :mod:`ringstream.tools.bench_engine` (one batch of ``concurrency`` prompts):
   the most this model and CPU can decode, with no serving at all;
-* ``engine``: ``ringstream.daemon.engine.Engine`` driven in-process (no sockets, no
+* ``engine``: ``ringstream.daemon.engine.engine.Engine`` driven in-process (no sockets, no
   rings, no front);
 * ``naive``: one thread per request calling ``model.generate()`` with a
   ``transformers.TextIteratorStreamer``, consumed by the caller's thread, no
@@ -126,7 +126,7 @@ def warm_ceiling(model, workload: Workload, prefill_tokens: int) -> None:
 
 def run_engine(engine, workload: Workload) -> list[RequestRecord]:
     """Serve the workload with an in-process ``Engine``; one record per request."""
-    from ringstream.daemon.engine import EngineRequest, SamplingParams
+    from ringstream.daemon.engine.engine import EngineRequest, SamplingParams
 
     params = SamplingParams(max_tokens=workload.max_tokens, temperature=0.0, ignore_eos=True)
     records: list[RequestRecord | None] = [None] * workload.requests

@@ -336,8 +336,9 @@ def _in_process_parts(settings: CompareSettings, report: _Report, info, spec: Wo
     """ceiling, engine, hf-cb, seed, naive: one model in this process."""
     from transformers import AutoTokenizer
 
-    from ringstream.daemon.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, Engine
-    from ringstream.daemon.model import load_model, load_tokenizer
+    from ringstream.daemon.engine.engine import ENGINE_DEFAULTS, Engine, EngineConfig
+    from ringstream.daemon.common.model_dir import load_tokenizer
+    from ringstream.daemon.engine.loader import load_model
     from ringstream.tools import baselines, bench_device
 
     stream = spec.requests()
@@ -350,7 +351,7 @@ def _in_process_parts(settings: CompareSettings, report: _Report, info, spec: Wo
         for name in IN_PROCESS_SYSTEMS:
             report.errors[name] = f"cannot load the model: {type(exc).__name__}: {exc}"
         return
-    prefill_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    prefill_tokens = ENGINE_DEFAULTS.max_num_batched_tokens
     total_ceiling = settings.concurrency * settings.max_tokens
 
     @functools.cache
@@ -365,9 +366,9 @@ def _in_process_parts(settings: CompareSettings, report: _Report, info, spec: Wo
         report.systems["ceiling"]["tokens_per_run"] = total_ceiling
 
     def engine_part() -> None:
-        engine = Engine(model, load_tokenizer(info), max_num_seqs=settings.concurrency,
-                        max_model_len=settings.max_model_len, eos_token_ids=info.eos_token_ids,
-                        device=settings.device)
+        config = EngineConfig(max_num_seqs=settings.concurrency, max_model_len=settings.max_model_len,
+                              device=settings.device)
+        engine = Engine(model, load_tokenizer(info), config, eos_token_ids=info.eos_token_ids)
         try:
             engine.warmup()
             report.systems["kv_capacity"] = bench_device.capacity(engine, settings.capacity_tokens)
@@ -539,7 +540,7 @@ def compare(settings: CompareSettings, command: str = PROG) -> tuple[dict, dict[
     """
     import torch
 
-    from ringstream.daemon.model import resolve_model_dir
+    from ringstream.daemon.common.model_dir import resolve_model_dir
 
     threads = settings.torch_threads()
     torch.set_num_threads(threads)
@@ -942,7 +943,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_command(args: argparse.Namespace, command: str) -> int:
-    from ringstream.daemon.model import resolve_model_dir
+    from ringstream.daemon.common.model_dir import resolve_model_dir
 
     info = resolve_model_dir(args.model)
     workload = WorkloadSpec(

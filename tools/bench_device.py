@@ -53,7 +53,7 @@ def copy_bandwidth(device: torch.device | str, nbytes: int | None = None, repeat
 
 def kv_bytes_per_token(model) -> int:
     """Bytes of keys and values one token position takes across all layers."""
-    from ringstream.daemon.families import kv_shape
+    from ringstream.daemon.engine.families import kv_shape
 
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     kv_heads, head_dim, value_dim = kv_shape(config)
@@ -89,5 +89,5 @@ def capacity(engine, sequence_tokens: int) -> dict:
     return {
         "kv_cache_bytes": engine.kv_cache_bytes, "kv_cache_tokens": engine.kv_cache_tokens,
         "block_size": engine.block_size, "max_model_len": engine.max_model_len,
-        "sequence_tokens": sequence_tokens, "sequences": engine.num_blocks // per_sequence,
+        "sequence_tokens": sequence_tokens, "sequences": engine.stats().num_blocks // per_sequence,
     }

@@ -8,7 +8,7 @@ Runs the same workload twice, in one process, on the same model:
     the engine), then ``max_tokens - 1`` decode forwards of the whole batch
     with greedy argmax. No scheduling, no per-row positions or
     masks, no detokenization, no per-request bookkeeping.
-(b) engine: ``ringstream.daemon.engine.Engine`` serving the prompts as independent greedy
+(b) engine: ``ringstream.daemon.engine.engine.Engine`` serving the prompts as independent greedy
     requests (admission, per-row positions and masks, sampling, incremental
     detokenization, stop checks, one ``TokenOutput`` per token).
 
@@ -44,7 +44,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch  # noqa: E402
 
-from ringstream.daemon.engine import Engine, EngineRequest, SamplingParams
+from ringstream.daemon.engine.engine import Engine, EngineConfig, EngineRequest, SamplingParams
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "daemon" / "default_model"
 DEFAULT_BATCH = 64
@@ -164,7 +164,7 @@ def engine_run(
     steps = 0
     decode_times = []
     while engine.has_unfinished():
-        prefills = engine.num_waiting > 0
+        prefills = engine.stats().num_waiting > 0
         step_start = time.perf_counter()
         outputs = engine.step()
         if not prefills and len(outputs) == batch:
@@ -179,7 +179,8 @@ def load(model_dir: Path | None):
     if model_dir is None and (DEFAULT_MODEL_DIR / "config.json").is_file():
         model_dir = DEFAULT_MODEL_DIR
     if model_dir is not None:
-        from ringstream.daemon.model import load_model, load_tokenizer, resolve_model_dir
+        from ringstream.daemon.common.model_dir import load_tokenizer, resolve_model_dir
+        from ringstream.daemon.engine.loader import load_model
 
         info = resolve_model_dir(model_dir)
         return load_model(info), load_tokenizer(info), str(info.path)
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     engine_kwargs = {"max_num_seqs": args.batch}
     if args.max_num_batched_tokens:
         engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
-    engine = Engine(model, tokenizer, **engine_kwargs)
+    engine = Engine(model, tokenizer, EngineConfig(**engine_kwargs))
     engine.warmup()
     prefill_tokens = engine.max_num_batched_tokens
     bare_decode_loop(model, prompts[:, : min(args.prompt_len, WARMUP_PROMPT_LEN)], 2, prefill_tokens)

@@ -21,9 +21,9 @@ import time
 
 import psutil
 
-from ringstream.daemon.proctitle import http_title
+from ringstream.daemon.common.proctitle import http_title
 from ringstream.ipc.client import AsyncClient
-from ringstream.tools.daemon_process import DaemonProcess
+from ringstream.daemon.launcher import DaemonProcess
 
 STEP_MS = 2
 """Synthetic engine step, milliseconds."""

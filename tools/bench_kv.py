@@ -2,7 +2,7 @@
 
 Workloads, on a long-context random-weight Llama built from a config at run
 time (no download; 8,192 positions, 4 layers, 8 query / 4 KV heads of 32,
-float32, the built-in tokenizer), driving :class:`ringstream.daemon.engine.Engine` in
+float32, the built-in tokenizer), driving :class:`ringstream.daemon.engine.engine.Engine` in
 this process:
 
 (a) capacity: with ``kv_cache_bytes`` = 64 MiB, the most sequences of
@@ -52,7 +52,7 @@ def build_model(max_positions: int = LONG_CONTEXT, seed: int = 0):
     """A random-weight Llama of the workloads' shape, float32, eval mode, and the built-in tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ringstream.daemon.model import load_tokenizer, resolve_model_dir
+    from ringstream.daemon.common.model_dir import load_tokenizer, resolve_model_dir
 
     torch.manual_seed(seed)
     config = LlamaConfig(
@@ -70,22 +70,22 @@ def _prompt(rng: torch.Generator, n: int) -> list[int]:
 
 
 def _engine(model, tokenizer, **kwargs):
-    from ringstream.daemon.engine import Engine
+    from ringstream.daemon.engine.engine import Engine, EngineConfig
 
-    engine = Engine(model, tokenizer, **kwargs)
+    engine = Engine(model, tokenizer, EngineConfig(**kwargs))
     engine.warmup()
     return engine
 
 
 def _greedy(max_tokens: int):
-    from ringstream.daemon.engine import SamplingParams
+    from ringstream.daemon.engine.engine import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
 def _drive(engine, arrivals: list[tuple[int, list[int], int]]):
     """Serve requests ``(arrival step, prompt, max_tokens)``; per handle: submit time, token times, tokens."""
-    from ringstream.daemon.engine import EngineRequest
+    from ringstream.daemon.engine.engine import EngineRequest
 
     submitted, times, tokens = {}, {}, {}
     pending = sorted(enumerate(arrivals), key=lambda item: item[1][0])
@@ -99,7 +99,7 @@ def _drive(engine, arrivals: list[tuple[int, list[int], int]]):
             times[handle], tokens[handle] = [], []
         outputs = engine.step()
         now = time.perf_counter()
-        peak_running = max(peak_running, engine.num_running)
+        peak_running = max(peak_running, engine.stats().num_running)
         for out in outputs:
             times[out.handle].append(now)
             tokens[out.handle].append(out.token_id)
@@ -119,7 +119,7 @@ def capacity(model, tokenizer, requests: int) -> dict:
     _, _, _, peak = _drive(engine, [(0, _prompt(rng, prompt_len), max_tokens) for _ in range(requests)])
     return {"kv_cache_bytes": KV_BUDGET_BYTES, "max_model_len": LONG_CONTEXT, "request_tokens": sum(SHORT_REQUEST),
             "running_paged": peak, "running_slots_former": slot_engine,
-            "ratio": peak / max(slot_engine, 1), "preemptions": engine.num_preemptions}
+            "ratio": peak / max(slot_engine, 1), "preemptions": engine.stats().num_preemptions}
 
 
 def prefix_caching(model, tokenizer, requests: int) -> dict:
@@ -137,7 +137,7 @@ def prefix_caching(model, tokenizer, requests: int) -> dict:
         ttft = [times[h][0] - submitted[h] for h in submitted]
         key = "on" if enabled else "off"
         result[f"ttft_p50_s_{key}"] = statistics.median(ttft)
-        result[f"prefix_hit_rate_{key}"] = engine.prefix_hits / max(engine.prefix_queries, 1)
+        result[f"prefix_hit_rate_{key}"] = engine.stats().prefix_hits / max(engine.stats().prefix_queries, 1)
         outputs[key] = [tokens[h] for h in sorted(tokens)]
     result["ratio"] = result["ttft_p50_s_off"] / result["ttft_p50_s_on"]
     result["identical_greedy_output"] = outputs["on"] == outputs["off"]
@@ -175,7 +175,7 @@ def decode_attention_cost(model, tokenizer, repeats: int) -> dict:
     The three batches run side by side, one step of each in turn, so that a
     busy host disturbs them alike; each figure is the median step.
     """
-    from ringstream.daemon.engine import EngineRequest
+    from ringstream.daemon.engine.engine import EngineRequest
 
     rng = torch.Generator().manual_seed(4)
     short = [DECODE_SHORT] * DECODING_STREAMS

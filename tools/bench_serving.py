@@ -1,7 +1,7 @@
 """Serving-layer measurements: a real daemon under test, the raw ZeroMQ ceiling, idle CPU.
 
 * :func:`running_daemon` is the daemon under test: a
-  :class:`ringstream.tools.daemon_process.DaemonProcess` on a private ipc
+  :class:`ringstream.daemon.launcher.DaemonProcess` on a private ipc
   socket, instance name and runtime directory, ready on enter, stopped on
   exit with nothing left behind.
 * :func:`synthetic_engine_support` tells whether this ringstream's ``serve``
@@ -77,7 +77,7 @@ def running_daemon(args: list[str]) -> "DaemonProcess":
     Raises (on enter):
         DaemonStartError: the daemon exited or was not ready within its start timeout.
     """
-    from ringstream.tools.daemon_process import DaemonProcess
+    from ringstream.daemon.launcher import DaemonProcess
 
     return DaemonProcess(*args, prefix="bench")
 
@@ -245,7 +245,7 @@ def _stub_daemon(address: str, stop, conn) -> None:
     """
     import zmq
 
-    from ringstream.daemon.synthetic import synthetic_text
+    from ringstream.daemon.engine.synthetic import synthetic_text
     from ringstream.ipc import protocol as P
 
     ctx = zmq.Context()

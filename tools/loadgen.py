@@ -250,10 +250,10 @@ class LoadResult:
 def expected_synthetic_text(tokens: int, first_seq: int = 0) -> str:
     """Text the synthetic engine streams for output tokens ``first_seq .. first_seq + tokens - 1``.
 
-    Imports :mod:`ringstream.daemon.synthetic`, hence torch: call it first outside any
+    Imports :mod:`ringstream.daemon.engine.synthetic`, hence torch: call it first outside any
     measured interval.
     """
-    from ringstream.daemon.synthetic import synthetic_text
+    from ringstream.daemon.engine.synthetic import synthetic_text
 
     return "".join(synthetic_text(seq) for seq in range(first_seq, first_seq + tokens))
 
@@ -489,6 +489,6 @@ def run_load(config: LoadConfig, workload: WorkloadSpec, model_dir: str | Path |
 
 def load_workload_tokenizer(model_dir: str | Path | None):
     """The ``tokenizers.Tokenizer`` of a model directory (None: the built-in model)."""
-    from ringstream.daemon.model import load_tokenizer, resolve_model_dir
+    from ringstream.daemon.common.model_dir import load_tokenizer, resolve_model_dir
 
     return load_tokenizer(resolve_model_dir(model_dir))

@@ -107,7 +107,7 @@ POLL_PERIOD_S = 0.02
 """How often every ring is followed while sampling, seconds."""
 RING_NAME_FORMAT = "ringstream-{instance}-w{index}"
 """Segment name of worker ``index``'s ring; must match the daemon's
-``ringstream.daemon.worker_pool.ring_name`` (checked by the tests)."""
+``ringstream.daemon.front.worker_pool.ring_name`` (checked by the tests)."""
 WORKER_INDEX_PATTERN = r"(\d+)"
 
 EXIT_OK = 0

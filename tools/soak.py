@@ -57,7 +57,7 @@ import zmq
 from ringstream.ipc import protocol as P
 from ringstream.ipc.client import AsyncClient, Client, ServerError
 from ringstream.tools.bench_serving import private_rss_bytes
-from ringstream.tools.daemon_process import DaemonProcess
+from ringstream.daemon.launcher import DaemonProcess
 
 REPLY_TIMEOUT_S = 30.0
 """A barrage frame that gets no answer within this long counts as unanswered."""
@@ -67,7 +67,7 @@ PROBE_INTERVAL_S = 0.01
 SYNTHETIC_VOCAB = 4096
 """Vocabulary of the built-in model, which the synthetic engine's token ids wrap around."""
 SYNTHETIC_TEXT = " t{}"
-"""Text of synthetic token number ``seq`` (see ringstream.daemon.synthetic.synthetic_text)."""
+"""Text of synthetic token number ``seq`` (see ringstream.daemon.engine.synthetic.synthetic_text)."""
 MIB = 2**20
 RSS_SAMPLES = 4
 """The overload and hostile phases sample the front's RSS this many times (plus once before)."""

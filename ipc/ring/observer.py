@@ -39,6 +39,31 @@ _UNPUBLISHED_SHARE_DIVISOR = 2
 more than ``capacity // 2`` bytes written but not yet published."""
 
 
+def _record_limit(max_records: int | None) -> int:
+    """Check ``max_records`` of :meth:`RingObserver.follow`; return it, -1 for None.
+
+    Raises:
+        TypeError: not an int.
+        ValueError: negative.
+    """
+    if max_records is None:
+        return -1
+    if isinstance(max_records, bool) or not isinstance(max_records, int):
+        raise TypeError(f"max_records must be int, not {type(max_records).__name__}")
+    if max_records < 0:
+        raise ValueError(f"max_records must be >= 0, got {max_records}")
+    return max_records
+
+
+def _horizon(read_pos: int, write_pos: int, slack: int) -> int:
+    """The oldest byte position still intact (:meth:`RingObserver.follow`).
+
+    ``min(read_pos, write_pos + unpublished_bytes - capacity)``, given
+    ``slack = unpublished_bytes - capacity``.
+    """
+    return min(read_pos, write_pos + slack)
+
+
 class RingObserver(MappedSegment):
     """A read-only view of a ring for monitoring (``ringstream-top``).
 
@@ -199,14 +224,28 @@ class RingObserver(MappedSegment):
         """
         if cursor is not None:
             validate_u64(cursor, "cursor")
-        if max_records is None:
-            limit = -1
-        elif isinstance(max_records, bool) or not isinstance(max_records, int):
-            raise TypeError(f"max_records must be int, not {type(max_records).__name__}")
-        elif max_records < 0:
-            raise ValueError(f"max_records must be >= 0, got {max_records}")
-        else:
-            limit = max_records
+        limit = _record_limit(max_records)
+        slack = self._unpublished_slack(unpublished_bytes)
+        read_pos, end = self._positions()
+        if cursor is None:
+            cursor = read_pos
+        elif cursor > end:
+            raise ValueError(
+                f"{self._path}: cursor {cursor} is ahead of write_pos {end}; "
+                "it is not a cursor of this ring"
+            )
+        return self._follow_from(cursor, read_pos, end, limit, slack)
+
+    def _unpublished_slack(self, unpublished_bytes: int | None) -> int:
+        """Check ``unpublished_bytes`` (:meth:`follow`); return the horizon's slack.
+
+        The slack is ``unpublished_bytes - capacity``: the horizon's offset
+        from ``write_pos``, in bytes, at most 0.
+
+        Raises:
+            TypeError: not an int (None: ``capacity // 2``).
+            ValueError: outside ``0..capacity``.
+        """
         if unpublished_bytes is None:
             unpublished_bytes = self._capacity // _UNPUBLISHED_SHARE_DIVISOR
         elif isinstance(unpublished_bytes, bool) or not isinstance(unpublished_bytes, int):
@@ -218,30 +257,42 @@ class RingObserver(MappedSegment):
                 f"unpublished_bytes must be between 0 and {self._capacity}, "
                 f"got {unpublished_bytes}"
             )
-        slack = unpublished_bytes - self._capacity
+        return unpublished_bytes - self._capacity
+
+    def _positions(self) -> tuple[int, int]:
+        """Load ``(read_pos, write_pos)`` (byte positions), in that order.
+
+        ``read_pos <= write_pos`` holds for any ``read_pos`` loaded earlier,
+        so a cursor taken from ``read_pos`` never passes the end.
+        """
         q = self._q
-        # read_pos before write_pos: read_pos <= write_pos holds for any
-        # read_pos loaded earlier, so a fresh cursor never passes the end.
         read_pos = q[Q_READ_POS]
-        end = q[Q_WRITE_POS]
-        if cursor is None:
-            cursor = read_pos
-        elif cursor > end:
-            raise ValueError(
-                f"{self._path}: cursor {cursor} is ahead of write_pos {end}; "
-                "it is not a cursor of this ring"
-            )
+        return read_pos, q[Q_WRITE_POS]
+
+    def _follow_from(
+        self, cursor: int, read_pos: int, end: int, limit: int, slack: int
+    ) -> tuple[list[Record], int, bool]:
+        """The copy-and-check rounds of :meth:`follow`, starting at ``cursor``.
+
+        ``read_pos`` and ``end`` (``write_pos``) are the positions loaded
+        last, ``limit`` the most records (-1: all), ``slack`` the horizon's
+        offset from ``write_pos`` (:meth:`_unpublished_slack`).
+
+        Each round resynchronises a lapped cursor to ``read_pos``, copies the
+        records up to ``end``, loads the positions again and keeps the copies
+        only if the cursor is still at or after the horizon; after
+        ``_FOLLOW_ATTEMPTS`` lapped rounds it returns no records.
+        """
         lapped = False
         for _attempt in range(_FOLLOW_ATTEMPTS):
-            if cursor < min(read_pos, end + slack):
+            if cursor < _horizon(read_pos, end, slack):
                 lapped = True
                 cursor = read_pos
             if limit == 0:
                 return [], cursor, lapped
             found, after, invalid_at = self._collect(cursor, end, limit)
-            read_pos = q[Q_READ_POS]
-            end = q[Q_WRITE_POS]
-            if cursor >= min(read_pos, end + slack):
+            read_pos, end = self._positions()
+            if cursor >= _horizon(read_pos, end, slack):
                 if invalid_at is not None:
                     raise RingError(
                         f"{self._path}: no valid record at position {invalid_at} "

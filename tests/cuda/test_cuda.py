@@ -14,9 +14,10 @@ import warnings
 import pytest
 import torch
 
-from ringstream.daemon import device_io, model_runner
-from ringstream.daemon.engine import Engine, EngineRequest, SamplingParams
-from ringstream.daemon.model import load_model, load_tokenizer, resolve_model_dir
+from ringstream.daemon.engine import device_io, model_runner
+from ringstream.daemon.engine.engine import Engine, EngineRequest, SamplingParams, EngineConfig
+from ringstream.daemon.common.model_dir import load_tokenizer, resolve_model_dir
+from ringstream.daemon.engine.loader import load_model
 
 pytestmark = [
     pytest.mark.cuda,
@@ -55,7 +56,7 @@ def _engine_and_reference(dtype: str):
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
                                  min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=info.eos_token_ids[0])
             expected.append(out[0, len(prompt):].tolist())
-    engine = Engine(model, tokenizer, max_num_seqs=len(prompts), max_model_len=256, device=DEVICE)
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=len(prompts), max_model_len=256, device=DEVICE))
     return engine, prompts, expected
 
 
@@ -90,8 +91,8 @@ def test_greedy_engine_agrees_with_generate_alone(dtype, least):
 
 
 def test_auto_dtype_is_bfloat16_on_cuda():
-    from ringstream.daemon.config import Config
-    from ringstream.daemon.worker_pool import worker_dtype
+    from ringstream.daemon.common.config import Config
+    from ringstream.daemon.front.worker_pool import worker_dtype
 
     assert worker_dtype(Config(), DEVICE) == "bfloat16"
     assert worker_dtype(Config(), "cpu") == "float32"
@@ -142,6 +143,7 @@ def test_a_decode_step_syncs_once(params, monkeypatch):
     assert syncs == 0
 
 
+@pytest.mark.e2e
 def test_daemon_streams_on_cuda(tmp_path):
     from ringstream.tools.loadgen import Dist, LoadConfig, WorkloadSpec, run_load
     from tests.daemon_helpers import running_daemon

@@ -5,8 +5,8 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from ringstream.daemon.config import Config
-from ringstream.daemon.core import FrontCore
+from ringstream.daemon.common.config import Config
+from ringstream.daemon.front.core import FrontCore
 from ringstream.ipc import protocol as P
 
 CLIENT = b"app-1"
@@ -87,8 +87,8 @@ def make_core(num_workers: int = 1, **settings) -> tuple[FrontCore, FakePorts]:
 
 
 def worker_ready(core: FrontCore, index: int = 0, max_num_seqs: int = 4, kv_cache_tokens: int = 4096) -> None:
-    core.on_worker_ready(P.WorkerReady(worker=index, pid=100 + index, device="cpu", max_num_seqs=max_num_seqs,
-                                       max_model_len=1024, kv_cache_tokens=kv_cache_tokens, kv_cache_bytes=1 << 20,
-                                       block_size=16))
+    core.on_worker_ready(P.WorkerReady(worker=index, pid=100 + index, device="cpu", capacity=P.WorkerCapacity(
+        max_num_seqs=max_num_seqs, max_model_len=1024, kv_cache_tokens=kv_cache_tokens, kv_cache_bytes=1 << 20,
+        block_size=16)))
 
 

@@ -20,11 +20,11 @@ import random
 import pytest
 import torch
 
-import ringstream.daemon.kv_cache as kv_cache
-from ringstream.daemon.attention import PAGED_ATTENTION, dense_attention, paged_attention, use_paged_attention
-from ringstream.daemon.block_manager import NULL_BLOCK
-from ringstream.daemon.engine import Engine, EngineRequest, SamplingParams
-from ringstream.daemon.kv_cache import DECODE_GROUP_MIN_TOKENS, DECODE_GROUP_RATIO, PagedKVCache, build_metadata
+import ringstream.daemon.engine.kv_cache as kv_cache
+from ringstream.daemon.engine.attention import PAGED_ATTENTION, dense_attention, paged_attention, use_paged_attention
+from ringstream.daemon.engine.block_manager import NULL_BLOCK
+from ringstream.daemon.engine.engine import Engine, EngineRequest, SamplingParams, EngineConfig
+from ringstream.daemon.engine.kv_cache import DECODE_GROUP_MIN_TOKENS, DECODE_GROUP_RATIO, PagedKVCache, build_metadata
 from tests.factories import load_model, load_tokenizer, make_tiny_model_dir
 
 CPU = torch.device("cpu")
@@ -377,8 +377,8 @@ def test_bfloat16_engine_runs(model_dir):
     model = load_model(model_dir).to(torch.bfloat16)
     finite = []
     hook = model.register_forward_hook(lambda module, args, out: finite.append(bool(out.logits.isfinite().all())))
-    engine = Engine(model, load_tokenizer(model_dir), max_num_seqs=5, max_num_batched_tokens=8, block_size=4,
-                    num_blocks=64, max_model_len=128)
+    config = EngineConfig(max_num_seqs=5, max_num_batched_tokens=8, block_size=4, num_blocks=64, max_model_len=128)
+    engine = Engine(model, load_tokenizer(model_dir), config)
     assert model.config._attn_implementation == PAGED_ATTENTION
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], list(range(20, 45)), list(range(20, 39)) + [3]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -396,8 +396,8 @@ def test_bfloat16_engine_runs(model_dir):
     assert finite and all(finite)
     vocab = model.config.vocab_size
     assert all(len(r.output_token_ids) == 12 and all(0 <= t < vocab for t in r.output_token_ids) for r in requests)
-    assert engine.prefix_hits > 0
-    assert engine.num_free_blocks == engine.num_blocks
+    assert engine.stats().prefix_hits > 0
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
 
     # the dense path of the switched model: one decode step reproduces the prefill's last position
     ids = torch.tensor([prompts[2]])

@@ -5,7 +5,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from ringstream.daemon.block_manager import NULL_BLOCK, BlockManager, NoFreeBlocks, block_hashes, hash_block_tokens
+from ringstream.daemon.engine.block_manager import NULL_BLOCK, BlockManager, NoFreeBlocks
+from ringstream.daemon.common.prefix_hash import block_hashes, hash_block_tokens
 
 BS = 4  # block size of the hand-made cases
 

@@ -11,11 +11,13 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
-from ringstream.daemon.chat_template import ChatTemplate
-from ringstream.daemon.model import DEFAULT_MODEL_DIR
+from ringstream.daemon.common.chat_template import ChatTemplate
+from ringstream.daemon.common.model_dir import DEFAULT_MODEL_DIR
 from ringstream.ipc.client import Client, InvalidRequest, PromptTooLong
 from tests.daemon_helpers import running_daemon
-from tests.http.test_serve_http import http_url
+from tests.http.helpers import http_url
+
+pytestmark = pytest.mark.e2e
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "What does the socket module do?"}]
 BOS_ID = 0

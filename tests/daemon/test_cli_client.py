@@ -19,17 +19,15 @@ import ringstream
 from ringstream.daemon import cli
 from ringstream.ipc import address
 from ringstream.ipc.client import GENERATE_DEFAULTS, AsyncClient, Client, InvalidRequest
-from tests.daemon_helpers import running_daemon
 from tests.other_uid import as_other_user
 
 SYNTHETIC = ("--engine", "synthetic", "--synthetic-step-ms", "1", "--devices", "cpu")
-README = Path(__file__).resolve().parents[2] / "README.md"
+CLIENT_DOC = Path(__file__).resolve().parents[2] / "docs" / "client.md"
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    with running_daemon(tmp_path_factory.mktemp("cli"), *SYNTHETIC) as d:
-        yield d
+def daemon(start_module_daemon):
+    return start_module_daemon(*SYNTHETIC)
 
 
 @pytest.fixture
@@ -53,6 +51,7 @@ def test_version(capsys):
     assert capsys.readouterr().out == f"ringstream {ringstream.__version__}\n"
 
 
+@pytest.mark.e2e
 def test_generate_dash_reads_the_prompt_from_stdin(daemon, capsys, monkeypatch):
     with Client(daemon.address) as client:
         expected = client.complete("Return the", max_tokens=2).usage.prompt_tokens
@@ -63,6 +62,7 @@ def test_generate_dash_reads_the_prompt_from_stdin(daemon, capsys, monkeypatch):
     assert _json_chunks(capsys.readouterr().out)[-1]["usage"]["prompt_tokens"] == expected
 
 
+@pytest.mark.e2e
 def test_the_cli_and_the_library_share_one_set_of_defaults(daemon, capsys):
     generate = cli.build_parser().parse_args(["generate", "x"])
     assert (generate.max_tokens, generate.temperature, generate.top_p, generate.top_k, generate.priority) == tuple(
@@ -74,12 +74,13 @@ def test_the_cli_and_the_library_share_one_set_of_defaults(daemon, capsys):
     assert from_cli == from_library == GENERATE_DEFAULTS["max_tokens"]
 
 
-def test_the_readme_states_the_defaults():
-    [paragraph] = [p for p in README.read_text().split("\n\n") if p.startswith("Defaults of a request")]
+def test_the_client_docs_state_the_defaults():
+    [paragraph] = [p for p in CLIENT_DOC.read_text().split("\n\n") if p.startswith("Defaults of a request")]
     stated = dict(re.findall(r"`(\w+)=([^`]+)`", paragraph))
     assert stated and {k: str(GENERATE_DEFAULTS[k]) for k in stated} == stated
 
 
+@pytest.mark.e2e
 def test_a_stop_string_or_a_list_of_them(daemon, capsys):
     params = dict(prompt_token_ids=[5, 6, 7], max_tokens=20, ignore_eos=True)
     with Client(daemon.address) as client:
@@ -97,6 +98,7 @@ def test_a_stop_string_or_a_list_of_them(daemon, capsys):
     assert capsys.readouterr().out == " t0"
 
 
+@pytest.mark.e2e
 def test_async_admin_changes_and_refuses_settings(daemon):
     async def main():
         async with AsyncClient(daemon.address) as client:
@@ -111,6 +113,7 @@ def test_async_admin_changes_and_refuses_settings(daemon):
     asyncio.run(main())
 
 
+@pytest.mark.e2e
 def test_ringstream_socket_names_the_daemon_for_the_cli_and_the_library(daemon, no_default_socket, capsys, tmp_path):
     assert cli.main(["status"]) == 1
     assert "the socket file does not exist" in capsys.readouterr().err
@@ -130,6 +133,7 @@ def test_ringstream_socket_names_the_daemon_for_the_cli_and_the_library(daemon, 
     assert "RINGSTREAM_SOCKET 'localhost:5555': use ipc://PATH or tcp://HOST:PORT" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_the_cli_says_permission_denied_for_a_socket_in_a_closed_folder():
     top = Path(tempfile.mkdtemp(prefix="ringstream-cli-"))
     try:

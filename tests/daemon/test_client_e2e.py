@@ -18,7 +18,7 @@ from ringstream.ipc import protocol as P
 from ringstream.ipc.client import (
     PROBE_AFTER_S, AsyncClient, Client, DaemonUnavailable, InvalidRequest, RingstreamError, UnknownRequest,
 )
-from ringstream.tools.daemon_process import serve_command
+from ringstream.daemon.launcher import serve_command
 from tests.daemon_helpers import running_daemon, wait_exit
 
 
@@ -37,6 +37,7 @@ def _assert_nothing_left_running(address: str, why: str, timeout_s: float = 10.0
             time.sleep(0.05)
 
 
+@pytest.mark.e2e
 def test_streams_of_a_crashed_daemon_end_after_its_restart(tmp_path):
     with running_daemon(tmp_path) as first:
         client = Client(first.address, heartbeat_s=0.3, timeout_s=60)
@@ -57,6 +58,7 @@ def test_streams_of_a_crashed_daemon_end_after_its_restart(tmp_path):
             client.close()
 
 
+@pytest.mark.e2e
 def test_a_second_daemon_cannot_take_over_a_live_socket(tmp_path):
     with running_daemon(tmp_path) as first:
         out = subprocess.run(serve_command("intruder", first.address), capture_output=True, text=True, timeout=120,
@@ -66,6 +68,7 @@ def test_a_second_daemon_cannot_take_over_a_live_socket(tmp_path):
             assert client.status().ready  # the first daemon still owns its socket
 
 
+@pytest.mark.e2e
 def test_cancelled_async_requests_leave_no_pending_tasks(tmp_path):
     with running_daemon(tmp_path) as d:
 
@@ -85,6 +88,7 @@ def test_cancelled_async_requests_leave_no_pending_tasks(tmp_path):
         _assert_nothing_left_running(d.address, "cancelled requests kept running")
 
 
+@pytest.mark.e2e
 def test_deeply_nested_frame_gets_an_error_and_the_daemon_keeps_answering(tmp_path):
     with running_daemon(tmp_path) as d:
         ctx = zmq.Context()
@@ -103,6 +107,7 @@ def test_deeply_nested_frame_gets_an_error_and_the_daemon_keeps_answering(tmp_pa
             assert client.complete("Return the", max_tokens=2).usage.completion_tokens == 2
 
 
+@pytest.mark.e2e
 def test_a_clean_stop_leaves_no_socket_files(tmp_path):
     with running_daemon(tmp_path) as d:
         assert d.stop() == 0
@@ -110,6 +115,7 @@ def test_a_clean_stop_leaves_no_socket_files(tmp_path):
     assert not leftovers, leftovers
 
 
+@pytest.mark.e2e
 def test_one_failed_request_of_a_gather_ends_the_others_quietly(tmp_path):
     """A failure inside ``async with`` closes the client under streams still running: they end, nothing is logged."""
     with running_daemon(tmp_path) as d:
@@ -131,6 +137,7 @@ def test_one_failed_request_of_a_gather_ends_the_others_quietly(tmp_path):
         _assert_nothing_left_running(d.address, "the closed client's requests kept running")
 
 
+@pytest.mark.e2e
 def test_what_cannot_be_sent_is_refused_by_the_client(tmp_path):
     with running_daemon(tmp_path) as d, Client(d.address) as client:
         with pytest.raises(InvalidRequest, match="at most 4,194,304"):
@@ -154,6 +161,7 @@ def test_the_cli_fails_fast_on_a_stale_socket_and_a_bad_address(tmp_path, capsys
     assert "use ipc://PATH or tcp://HOST:PORT" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_async_client_routing_and_lifetime_edges(tmp_path):
     """Errors naming ended streams, cancelled status calls, use after close, a daemon that stops answering."""
     # 20 ms steps: the 500-token stream below outlasts the SIGSTOP by seconds even on a busy host
@@ -213,6 +221,7 @@ def _reap(d, workers: list[int]) -> None:
         os.unlink(path)
 
 
+@pytest.mark.e2e
 def test_a_daemon_killed_mid_stream_fails_the_stream_within_the_heartbeat_window(tmp_path):
     """Both clients, default timeout_s (30 s): the dead socket is noticed, not waited out."""
     with running_daemon(tmp_path, *SYNTHETIC) as d, Client(d.address, heartbeat_s=HEARTBEAT_S) as client:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ringstream.daemon.clients import STUCK_GIVE_UP_FACTOR, ClientTable
-from ringstream.daemon.request import Request
+from ringstream.daemon.front.client_table import STUCK_GIVE_UP_FACTOR, ClientTable
+from ringstream.daemon.front.request import Request
 from ringstream.ipc import protocol as P
 
 

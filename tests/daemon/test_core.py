@@ -11,10 +11,10 @@ import itertools
 
 import pytest
 
-from ringstream.daemon.core import ABORT_GRACE_S, MAX_RESUMES, FrontCore
-from ringstream.daemon.intake import Intake
-from ringstream.daemon.outbox import RETRY_SEND_S
-from ringstream.daemon.request import DaemonState, Request, RequestStatus
+from ringstream.daemon.front.core import ABORT_GRACE_S, MAX_RESUMES, FrontCore
+from ringstream.daemon.front.intake import Intake
+from ringstream.daemon.front.outbox import RETRY_SEND_S
+from ringstream.daemon.front.request import DaemonState, Request, RequestStatus
 from ringstream.ipc import protocol as P
 from ringstream.ipc.ring import KIND_ERROR, KIND_FINISH, KIND_TOKEN, Record
 from tests.daemon.fake_ports import CLIENT, make_core, worker_ready
@@ -469,7 +469,7 @@ class _Validator:
     """Token ids as given; text prompts are refused (no tokenizer in these tests)."""
 
     def check(self, msg: P.Generate, limit: int) -> list[int]:
-        from ringstream.daemon.validate import RequestRejected
+        from ringstream.daemon.front.validate import RequestRejected
         if msg.prompt_token_ids is None:
             raise RequestRejected(P.ErrorCode.INVALID_REQUEST, "text prompts need a tokenizer")
         return list(msg.prompt_token_ids)

@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
-from ringstream.daemon.attention import use_paged_attention
-from ringstream.daemon.block_manager import BlockManager
-from ringstream.daemon.cuda_graphs import CudaGraphRunner, DecodeBuffers, DecodeInputs, bucket_for, graph_batch_sizes
-from ringstream.daemon.families import kv_shape
-from ringstream.daemon.kv_cache import PagedKVCache, build_metadata
+from ringstream.daemon.engine.attention import use_paged_attention
+from ringstream.daemon.engine.block_manager import BlockManager
+from ringstream.daemon.engine.cuda_graphs import CudaGraphRunner, DecodeBuffers, DecodeInputs, bucket_for, graph_batch_sizes
+from ringstream.daemon.engine.families import kv_shape
+from ringstream.daemon.engine.kv_cache import PagedKVCache, build_metadata
 from tests.factories import load_model, make_tiny_model_dir
 
 BLOCK_SIZE = 4

@@ -16,8 +16,10 @@ import psutil
 import pytest
 
 from ringstream.ipc.client import Client
-from ringstream.tools.daemon_process import START_TIMEOUT_S, STOP_TIMEOUT_S, wait_exit
+from ringstream.daemon.launcher import START_TIMEOUT_S, STOP_TIMEOUT_S, wait_exit
 from ringstream.tools.soak import wait_for
+
+pytestmark = pytest.mark.e2e
 
 POLL_S = 0.01
 MAX_TOKENS = 480

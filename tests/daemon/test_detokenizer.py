@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers.decoders import DecodeStream
 
-from ringstream.daemon.detokenizer import REPLACEMENT_CHARACTER, IncrementalDetokenizer, OffsetDecodeStream
+from ringstream.daemon.engine.detokenizer import REPLACEMENT_CHARACTER, IncrementalDetokenizer, OffsetDecodeStream
 from tests.factories import EOS_TOKEN, make_tokenizer
 
 MULTILINGUAL = [

@@ -15,10 +15,13 @@ import msgspec
 import pytest
 import zmq
 
-from ringstream.daemon.model import load_model, load_tokenizer, resolve_model_dir
+from ringstream.daemon.common.model_dir import load_tokenizer, resolve_model_dir
+from ringstream.daemon.engine.loader import load_model
 from ringstream.ipc import protocol as P
 from ringstream.ipc.client import AsyncClient, Client, PromptTooLong, QueueFull
 from tests.daemon_helpers import wait_exit, running_daemon
+
+pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 32
 PROMPTS = [
@@ -64,9 +67,8 @@ class RawClient:
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    with running_daemon(tmp_path_factory.mktemp("e2e")) as d:
-        yield d
+def daemon(start_module_daemon):
+    return start_module_daemon()
 
 
 @pytest.fixture(scope="module")
@@ -150,10 +152,9 @@ def test_request_arriving_mid_decode_starts_before_the_running_one_ends(daemon):
 
 
 @pytest.fixture(scope="module")
-def small_daemon(tmp_path_factory):
+def small_daemon(start_module_daemon):
     """One slot, one queue place: easy to saturate."""
-    with running_daemon(tmp_path_factory.mktemp("small"), "--max-concurrency", "1", "--queue-size", "1") as d:
-        yield d
+    return start_module_daemon("--max-concurrency", "1", "--queue-size", "1")
 
 
 def test_cancel_mid_stream_stops_generation_and_frees_the_slot(small_daemon):

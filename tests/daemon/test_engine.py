@@ -17,9 +17,10 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from ringstream.daemon.engine import (
+from ringstream.daemon.engine.engine import (
     CapacityError,
     Engine,
+    EngineConfig,
     EngineError,
     EngineRequest,
     PromptTooLong,
@@ -48,8 +49,8 @@ class Model:
         self._references: dict[tuple[tuple[int, ...], int], list[int]] = {}
 
     def engine(self, **kwargs) -> Engine:
-        kwargs.setdefault("eos_token_ids", self.eos_token_ids)
-        return Engine(self.model, self.tokenizer, **kwargs)
+        eos_token_ids = kwargs.pop("eos_token_ids", self.eos_token_ids)
+        return Engine(self.model, self.tokenizer, EngineConfig(**kwargs), eos_token_ids=eos_token_ids)
 
     def prompts(self, lengths: list[int]) -> list[list[int]]:
         """Prompts of the given token lengths: BOS then corpus tokens from varying offsets."""
@@ -111,9 +112,9 @@ def tiny(tmp_path_factory) -> Model:
 
 
 def load_default_model() -> Model:
-    from ringstream.daemon.model import load_model as load_daemon_model
-    from ringstream.daemon.model import load_tokenizer as load_daemon_tokenizer
-    from ringstream.daemon.model import resolve_model_dir
+    from ringstream.daemon.engine.loader import load_model as load_daemon_model
+    from ringstream.daemon.common.model_dir import load_tokenizer as load_daemon_tokenizer
+    from ringstream.daemon.common.model_dir import resolve_model_dir
 
     info = resolve_model_dir(DEFAULT_MODEL_DIR)
     return Model(load_daemon_model(info), load_daemon_tokenizer(info), info.eos_token_ids)
@@ -130,7 +131,7 @@ class StepRecord:
     failed: set[int]
     """Handles ended with a RequestError."""
     num_preemptions: int
-    """``engine.num_preemptions`` after the step."""
+    """``engine.stats().num_preemptions`` after the step."""
 
 
 def run(engine: Engine, schedule: dict[int, list[EngineRequest]],
@@ -146,7 +147,7 @@ def run(engine: Engine, schedule: dict[int, list[EngineRequest]],
     step = 0
     while engine.has_unfinished() or backlog or any(s >= step for s in schedule):
         backlog.extend(schedule.get(step, []))
-        while backlog and engine.num_running + engine.num_waiting < engine.max_num_seqs:
+        while backlog and engine.stats().num_running + engine.stats().num_waiting < engine.max_num_seqs:
             request = backlog.pop(0)
             engine.add(request)
             outputs[request.handle] = []
@@ -160,7 +161,7 @@ def run(engine: Engine, schedule: dict[int, list[EngineRequest]],
             record.emitted.add(out.handle)
             if out.finish_reason is not None:
                 record.finished.add(out.handle)
-        record.num_preemptions = engine.num_preemptions
+        record.num_preemptions = engine.stats().num_preemptions
         if trace is not None:
             trace.append(record)
         step += 1
@@ -287,7 +288,7 @@ def test_greedy_matches_generate_alone(which, tiny):
             assert last.finish_reason == "length"
         text = "".join(o.text for o in outs)
         assert text == model.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-    assert engine.num_running == engine.num_waiting == 0
+    assert engine.stats().num_running == engine.stats().num_waiting == 0
     assert engine.step() == []
 
 
@@ -298,7 +299,7 @@ def test_mid_stream_request_starts_early_and_reuses_blocks(tiny):
     def check_accounting():
         running = [h for h, seq in engine._scheduler.by_handle.items() if seq.running]
         held = sum(len(block_table(engine, h)) for h in running)
-        assert engine.num_free_blocks == engine.num_blocks - held
+        assert engine.stats().num_free_blocks == engine.stats().num_blocks - held
 
     long_a, long_b = (
         EngineRequest(h, p, greedy(30, ignore_eos=True)) for h, p in zip((0, 1), tiny.prompts([9, 14]))
@@ -316,13 +317,13 @@ def test_mid_stream_request_starts_early_and_reuses_blocks(tiny):
     short_blocks = block_table(engine, 2)
     assert len(short_blocks) == 1
     check_accounting()
-    free_before = engine.num_free_blocks
+    free_before = engine.stats().num_free_blocks
     second = engine.step()
     finished = {o.handle: o.finish_reason for o in second}
     assert finished == {0: None, 1: None, 2: "length"}
-    assert engine.num_running == 2
+    assert engine.stats().num_running == 2
     # the finished request's block is free before the next step
-    assert engine.num_free_blocks == free_before + 1
+    assert engine.stats().num_free_blocks == free_before + 1
     check_accounting()
 
     reuse = EngineRequest(3, tiny.prompts([11])[0], greedy(6, ignore_eos=True))
@@ -332,7 +333,7 @@ def test_mid_stream_request_starts_early_and_reuses_blocks(tiny):
     while engine.has_unfinished():
         engine.step()
         check_accounting()
-    assert engine.num_free_blocks == engine.num_blocks
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
     for request in (long_a, long_b, short, reuse):
         tiny.check_greedy(request)
 
@@ -364,30 +365,30 @@ def test_prefill_token_budget(tiny):
 
 def test_abort_frees_blocks_immediately(tiny):
     engine = tiny.engine(max_num_seqs=2, max_num_batched_tokens=16, block_size=4, num_blocks=33, max_model_len=128)
-    total = engine.num_blocks
-    assert total == engine.num_free_blocks == 32 and engine.kv_cache_usage == 0.0
+    total = engine.stats().num_blocks
+    assert total == engine.stats().num_free_blocks == 32 and engine.stats().kv_cache_usage == 0.0
     a, b = (EngineRequest(h, p, greedy(20, ignore_eos=True)) for h, p in zip((0, 1), tiny.prompts([10, 10])))
     engine.add(a)
     engine.add(b)
-    assert engine.num_free_blocks == total  # queued requests hold no blocks
+    assert engine.stats().num_free_blocks == total  # queued requests hold no blocks
     outs = engine.step()
     # a is prefilled; b is admitted with a 6-token chunk: both hold blocks for their whole prompt
     assert [o.handle for o in outs] == [0]
-    assert (engine.num_running, engine.num_waiting) == (2, 0)
-    assert engine.num_free_blocks == total - 6
-    assert engine.kv_cache_usage == pytest.approx(6 / total)
+    assert (engine.stats().num_running, engine.stats().num_waiting) == (2, 0)
+    assert engine.stats().num_free_blocks == total - 6
+    assert engine.stats().kv_cache_usage == pytest.approx(6 / total)
     assert engine.abort(1)
-    assert engine.num_free_blocks == total - 3
-    assert engine.num_running == 1
+    assert engine.stats().num_free_blocks == total - 3
+    assert engine.stats().num_running == 1
     engine.add(EngineRequest(5, [0, 1], greedy(2)))
     with pytest.raises(CapacityError):
         engine.add(EngineRequest(6, [0, 1], greedy(2)))
     assert engine.abort(5)
-    assert engine.num_waiting == 0
+    assert engine.stats().num_waiting == 0
     assert [o.handle for o in engine.step()] == [0]
     assert engine.abort(0)
-    assert engine.num_running == 0
-    assert engine.num_free_blocks == total and engine.kv_cache_usage == 0.0
+    assert engine.stats().num_running == 0
+    assert engine.stats().num_free_blocks == total and engine.stats().kv_cache_usage == 0.0
     assert not engine.has_unfinished()
     assert not engine.abort(0)
     assert not engine.abort(1)
@@ -397,10 +398,10 @@ def test_abort_frees_blocks_immediately(tiny):
     engine.add(c)
     outs = engine.step()
     assert [o.handle for o in outs] == [7]
-    assert engine.num_free_blocks == total - 2
+    assert engine.stats().num_free_blocks == total - 2
     while engine.has_unfinished():
         engine.step()
-    assert engine.num_free_blocks == total
+    assert engine.stats().num_free_blocks == total
     tiny.check_greedy(c)
 
 
@@ -569,14 +570,14 @@ def test_cache_geometry(tiny):
     assert engine.block_size == 16
     assert engine.kv_cache_tokens % engine.block_size == 0
     assert 3 * 100 <= engine.kv_cache_tokens < 3 * 100 + engine.block_size
-    assert engine.num_blocks == engine.kv_cache_tokens // engine.block_size == engine.num_free_blocks
-    assert engine.kv_cache_bytes == (engine.num_blocks + 1) * block_bytes(16)  # the null block included
+    assert engine.stats().num_blocks == engine.kv_cache_tokens // engine.block_size == engine.stats().num_free_blocks
+    assert engine.kv_cache_bytes == (engine.stats().num_blocks + 1) * block_bytes(16)  # the null block included
 
     engine = tiny.engine(max_model_len=100, block_size=8, num_blocks=30)
-    assert (engine.num_blocks, engine.kv_cache_tokens) == (29, 29 * 8)
+    assert (engine.stats().num_blocks, engine.kv_cache_tokens) == (29, 29 * 8)
     assert engine.kv_cache_bytes == 30 * block_bytes(8)
     engine = tiny.engine(max_model_len=100, kv_cache_bytes=10 * block_bytes(16) + block_bytes(16) - 1)
-    assert (engine.num_blocks, engine.kv_cache_tokens) == (9, 9 * 16)
+    assert (engine.stats().num_blocks, engine.kv_cache_tokens) == (9, 9 * 16)
     assert engine.kv_cache_bytes == 10 * block_bytes(16)
 
     # Seven blocks (six usable) hold 96 tokens: too few for max_model_len=100.
@@ -596,7 +597,7 @@ def test_cache_geometry(tiny):
     request = EngineRequest(0, tiny.prompts([50])[0], greedy(100, ignore_eos=True))
     outputs = run(engine, {0: [request]})
     assert (outputs[0][-1].finish_reason, len(request.output_token_ids)) == ("length", 46)
-    assert engine.num_preemptions == 0
+    assert engine.stats().num_preemptions == 0
     tiny.check_greedy(request, max_tokens=46)
 
 
@@ -625,14 +626,14 @@ def test_prefix_cache_hits_keep_outputs_exact(tiny, caching):
         check_stream(outputs[request.handle], request)
         tiny.check_greedy(request)
     if caching:
-        assert engine.prefix_queries == sum(len(r.prompt_token_ids) for r in requests)
-        assert engine.prefix_hits == 48 + 48 + 32 + 80
+        assert engine.stats().prefix_queries == sum(len(r.prompt_token_ids) for r in requests)
+        assert engine.stats().prefix_hits == 48 + 48 + 32 + 80
     else:
-        assert engine.prefix_queries == engine.prefix_hits == 0
+        assert engine.stats().prefix_queries == engine.stats().prefix_hits == 0
     # cached tokens are not computed again
     computed = sum(len(r.prompt_token_ids) + len(r.output_token_ids) - 1 for r in requests)
-    assert sum(log.tokens) == computed - engine.prefix_hits
-    assert engine.num_free_blocks == engine.num_blocks
+    assert sum(log.tokens) == computed - engine.stats().prefix_hits
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
 
 
 @pytest.mark.parametrize("block_size", [16, 4])
@@ -650,7 +651,7 @@ def test_chunked_prefill_keeps_outputs_exact(tiny, block_size):
     with ForwardLog(tiny.model) as log:
         outputs = run(engine, schedule, trace)
     assert max(log.tokens) <= 7
-    assert engine.prefix_hits > 0
+    assert engine.stats().prefix_hits > 0
     for request in requests:
         check_stream(outputs[request.handle], request)
         tiny.check_greedy(request)
@@ -658,7 +659,7 @@ def test_chunked_prefill_keeps_outputs_exact(tiny, block_size):
     first_step = {h: min(i for i, r in enumerate(trace) if h in r.emitted) for h in range(len(requests))}
     assert first_step[0] >= -(-45 // 7) - 1
     assert first_step[1] >= -(-(45 + 60) // 7) - 1
-    assert engine.num_free_blocks == engine.num_blocks
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
 
 
 PREEMPTION_POOL = {"max_num_seqs": 3, "block_size": 4, "num_blocks": 9, "max_model_len": 24}
@@ -675,7 +676,7 @@ def test_preemption_on_block_exhaustion(tiny, priorities, victim):
     engine = tiny.engine(**PREEMPTION_POOL)
     trace: list[StepRecord] = []
     outputs = run(engine, {0: requests}, trace)
-    assert engine.num_preemptions > 0
+    assert engine.stats().num_preemptions > 0
     events = preemption_events(trace)
     assert events, "no preemption seen in the outputs"
     # Step 3 decodes position 8: each request needs its third block, and only two are free.
@@ -687,7 +688,7 @@ def test_preemption_on_block_exhaustion(tiny, priorities, victim):
         assert sum(o.finish_reason is not None for o in outs) == 1
         check_stream(outs, request)
         tiny.check_greedy(request)
-    assert engine.num_free_blocks == engine.num_blocks
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
     assert not engine.has_unfinished()
 
 
@@ -714,7 +715,7 @@ def test_preemption_victim_rule_at_every_preemption(tiny, priorities, num_blocks
     started: dict[int, tuple[int, int, int]] = {}
     events = dict(preemption_events(trace))
     assert [h for victims in events.values() for h in sorted(victims)] == expected_victims
-    assert engine.num_preemptions == len(expected_victims)
+    assert engine.stats().num_preemptions == len(expected_victims)
     for step, record in enumerate(trace):
         if step in events:
             running = {h for h in trace[step - 1].emitted - trace[step - 1].finished}
@@ -728,50 +729,50 @@ def test_preemption_victim_rule_at_every_preemption(tiny, priorities, num_blocks
     for request in requests:
         check_stream(outputs[request.handle], request)
         tiny.check_greedy(request)
-    assert engine.num_free_blocks == engine.num_blocks
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
 
 
 def test_no_block_leak_after_finish_abort_and_preemption(tiny):
     engine = tiny.engine(max_num_seqs=4, block_size=4, num_blocks=13, max_model_len=24, max_num_batched_tokens=12)
-    total = engine.num_blocks
+    total = engine.stats().num_blocks
     requests = [EngineRequest(i, p, greedy(16)) for i, p in enumerate(tiny.prompts([6, 6, 6]))]
     for request in requests:
         engine.add(request)
     emitted: list[set[int]] = []
-    while engine.num_preemptions == 0:
+    while engine.stats().num_preemptions == 0:
         emitted.append({o.handle for o in engine.step()})
-    assert engine.num_preemptions == 1 and engine.num_waiting == 1
+    assert engine.stats().num_preemptions == 1 and engine.stats().num_waiting == 1
     (victim,) = emitted[-2] - emitted[-1]
     decoding = sorted({0, 1, 2} - {victim})
     held = {h: len(block_table(engine, h)) for h in decoding}
-    assert engine.num_free_blocks == total - sum(held.values())
+    assert engine.stats().num_free_blocks == total - sum(held.values())
 
-    free = engine.num_free_blocks
+    free = engine.stats().num_free_blocks
     assert engine.abort(victim)  # preempted, waiting to resume: holds no blocks
-    assert (engine.num_waiting, engine.num_free_blocks) == (0, free)
+    assert (engine.stats().num_waiting, engine.stats().num_free_blocks) == (0, free)
     engine.step()
     held = len(block_table(engine, decoding[0]))
-    free = engine.num_free_blocks
+    free = engine.stats().num_free_blocks
     assert engine.abort(decoding[0])  # mid-decode
-    assert engine.num_free_blocks == free + held
+    assert engine.stats().num_free_blocks == free + held
 
     chunked = EngineRequest(3, tiny.prompts([1, 1, 1, 14])[3], greedy(5))
     engine.add(chunked)
     outs = engine.step()  # one decode and an 11-token chunk of the 14-token prompt
     assert [o.handle for o in outs] == [decoding[1]]
-    assert engine.num_running == 2
+    assert engine.stats().num_running == 2
     held = len(block_table(engine, 3))
     assert held == 4
-    free = engine.num_free_blocks
+    free = engine.stats().num_free_blocks
     assert engine.abort(3)  # mid-prefill
-    assert engine.num_free_blocks == free + held
+    assert engine.stats().num_free_blocks == free + held
 
     late = EngineRequest(4, tiny.prompts([1, 1, 1, 1, 9])[4], greedy(6))
     engine.add(late)
     while engine.has_unfinished():
         engine.step()
-    assert engine.num_free_blocks == total
-    assert engine.kv_cache_usage == 0.0
+    assert engine.stats().num_free_blocks == total
+    assert engine.stats().kv_cache_usage == 0.0
     for request in (requests[decoding[1]], late):
         tiny.check_greedy(request)
 
@@ -789,7 +790,7 @@ def test_prompt_too_long(tiny):
     engine.add(at_limit)
     run(engine, {})
     assert len(at_limit.output_token_ids) == 2  # one more token fills max_model_len
-    assert engine.num_free_blocks == engine.num_blocks
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
 
 
 def test_failing_request_does_not_fail_its_companions(tiny):
@@ -836,7 +837,7 @@ def test_failing_request_does_not_fail_its_companions(tiny):
         check_stream(outputs[request.handle], request)
         assert request.output_token_ids == expected[request.handle]
     assert not engine.has_unfinished()
-    assert engine.num_free_blocks == engine.num_blocks
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
     # the engine goes on serving
     again = EngineRequest(13, good[0].prompt_token_ids, greedy(4))
     run(engine, {0: [again]})
@@ -910,7 +911,7 @@ def test_randomized_churn_keeps_outputs_exact(tiny, pool):
     aborted: set[int] = set()
     pending = list(requests)
     while pending or engine.has_unfinished():
-        while pending and engine.num_running + engine.num_waiting < engine.max_num_seqs and rng.random() < 0.6:
+        while pending and engine.stats().num_running + engine.stats().num_waiting < engine.max_num_seqs and rng.random() < 0.6:
             _, request = pending.pop(0)
             engine.add(request)
             outputs[request.handle] = []
@@ -924,7 +925,7 @@ def test_randomized_churn_keeps_outputs_exact(tiny, pool):
         for out in engine.step():
             assert out.handle not in aborted
             outputs[out.handle].append(out)
-        assert engine.num_running <= engine.max_num_seqs
+        assert engine.stats().num_running <= engine.max_num_seqs
 
     for kind, request in requests:
         if request.handle in aborted:
@@ -938,6 +939,6 @@ def test_randomized_churn_keeps_outputs_exact(tiny, pool):
             run(tiny.engine(max_num_seqs=1), {0: [alone]})
             assert request.output_token_ids == alone.output_token_ids
     assert not engine.has_unfinished()
-    assert engine.num_free_blocks == engine.num_blocks
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
     if pool:
-        assert engine.num_preemptions > 0 and engine.prefix_hits > 0
+        assert engine.stats().num_preemptions > 0 and engine.stats().prefix_hits > 0

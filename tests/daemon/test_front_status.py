@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ringstream.daemon.status import decode_rate, request_info
-from ringstream.daemon.request import Request, RequestStatus
+from ringstream.daemon.front.status import decode_rate, request_info
+from ringstream.daemon.front.request import Request, RequestStatus
 from ringstream.ipc import protocol as P
 
 ARRIVAL = 100.0

@@ -7,7 +7,8 @@ import time
 import pytest
 
 from ringstream.ipc.client import Client, PromptTooLong
-from tests.daemon_helpers import running_daemon
+
+pytestmark = pytest.mark.e2e
 
 BLOCK_SIZE = 8
 MAX_MODEL_LEN = 256
@@ -31,12 +32,9 @@ def _wait_report(client: Client, check, timeout_s: float = 10.0):
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("kv")
-    args = ("--devices", "cpu", "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
-            "--kv-cache-bytes", str(4 * 2**20), "--max-num-batched-tokens", "64")
-    with running_daemon(tmp, *args) as d:
-        yield d
+def daemon(start_module_daemon):
+    return start_module_daemon("--devices", "cpu", "--block-size", str(BLOCK_SIZE), "--max-model-len",
+                               str(MAX_MODEL_LEN), "--kv-cache-bytes", str(4 * 2**20), "--max-num-batched-tokens", "64")
 
 
 def test_settings_reach_the_worker_and_status_shows_the_pool(daemon):

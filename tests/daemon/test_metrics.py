@@ -3,7 +3,7 @@ read from the Prometheus counters (one source for both)."""
 
 import pytest
 
-from ringstream.daemon.metrics import Metrics, RecentRate, histogram_quantile
+from ringstream.daemon.front.metrics import Metrics, RecentRate, histogram_quantile
 
 
 def test_recent_rate_counts_the_last_seconds_only():

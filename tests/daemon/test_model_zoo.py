@@ -18,9 +18,10 @@ import torch
 import transformers as T
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from ringstream.daemon.engine import Engine, EngineRequest, SamplingParams
-from ringstream.daemon.model import ModelError
-from ringstream.daemon.model import load_model, resolve_model_dir
+from ringstream.daemon.engine.engine import Engine, EngineRequest, SamplingParams, EngineConfig
+from ringstream.daemon.common.model_dir import ModelError
+from ringstream.daemon.common.model_dir import resolve_model_dir
+from ringstream.daemon.engine.loader import load_model
 from tests.factories import TINY_VOCAB_SIZE, make_tokenizer, save_tokenizer
 
 WINDOW = 12
@@ -124,8 +125,9 @@ def _reference_and_engine(name: str, tokenizer, dtype: torch.dtype):
                            pad_token_id=0)[0, len(p):].tolist()
             for p in _prompts()
         ]
-    engine = Engine(model, tokenizer, max_num_seqs=8, max_num_batched_tokens=16, block_size=4, num_blocks=200,
-                    eos_token_ids=(1,), **ENGINE_FIELDS.get(name, {}))
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=16, block_size=4, num_blocks=200,
+                          **ENGINE_FIELDS.get(name, {}))
+    engine = Engine(model, tokenizer, config, eos_token_ids=(1,))
     engine.warmup()
     return expected, engine
 
@@ -157,8 +159,8 @@ def test_served_with_the_tokens_of_generate_alone(name, tokenizer):
             assert hasattr(out, "token_id"), f"{name}: {out}"
         step += 1
     assert [r.output_token_ids for r in requests] == expected
-    assert engine.prefix_hits > 0
-    assert engine.num_free_blocks == engine.num_blocks
+    assert engine.stats().prefix_hits > 0
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
 
 
 @pytest.mark.parametrize("name", REFUSED)
@@ -166,7 +168,8 @@ def test_refused_at_start_with_the_feature_named(name, tokenizer):
     config_class, fields, feature = REFUSED[name]
     model = _model(config_class, fields)
     with pytest.raises(ModelError, match=feature):
-        engine = Engine(model, tokenizer, max_num_seqs=2, block_size=4, num_blocks=200, eos_token_ids=(1,))
+        engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=2, block_size=4, num_blocks=200),
+                        eos_token_ids=(1,))
         engine.warmup()
 
 
@@ -217,7 +220,8 @@ def test_length_dependent_rope_is_fixed_once_for_every_request(tokenizer, caplog
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
     def serve(prompts):
-        engine = Engine(model, tokenizer, max_num_seqs=4, block_size=4, num_blocks=200, eos_token_ids=(1,))
+        engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=4, block_size=4, num_blocks=200),
+                        eos_token_ids=(1,))
         requests = [EngineRequest(i, p, params) for i, p in enumerate(prompts)]
         for request in requests:
             engine.add(request)
@@ -245,8 +249,8 @@ def test_served_through_the_daemons_loader(name, tokenizer, tmp_path):
     save_tokenizer(tokenizer, tmp_path)
     model = load_model(resolve_model_dir(tmp_path))
     expected, engine = _reference_and_engine(name, tokenizer, torch.float32)
-    served = Engine(model, tokenizer, max_num_seqs=8, max_num_batched_tokens=16, block_size=4,
-                    kv_cache_bytes=engine.kv_cache_bytes, eos_token_ids=(1,))  # pool sized by bytes: no profile
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=16, block_size=4, kv_cache_bytes=engine.kv_cache_bytes)
+    served = Engine(model, tokenizer, config, eos_token_ids=(1,))  # pool sized by bytes: no profile
     served.warmup()
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     requests = [EngineRequest(i, p, params) for i, p in enumerate(_prompts())]
@@ -265,7 +269,8 @@ def test_loaded_models_outside_attention_interface_are_refused_by_name(config_cl
     save_tokenizer(tokenizer, tmp_path)
     model = load_model(resolve_model_dir(tmp_path))
     with pytest.raises(ModelError, match=NO_ATTENTION_INTERFACE):
-        Engine(model, tokenizer, max_num_seqs=2, block_size=4, num_blocks=200, eos_token_ids=(1,))
+        Engine(model, tokenizer, EngineConfig(max_num_seqs=2, block_size=4, num_blocks=200),
+                        eos_token_ids=(1,))
 
 
 def test_generation_config_logits_processors_are_named_at_start(tokenizer, caplog):
@@ -273,7 +278,8 @@ def test_generation_config_logits_processors_are_named_at_start(tokenizer, caplo
     model = _model(T.LlamaConfig, {})
     model.generation_config.repetition_penalty = 1.05
     with caplog.at_level("WARNING", logger="ringstream.engine"):
-        Engine(model, tokenizer, max_num_seqs=2, block_size=4, num_blocks=200, eos_token_ids=(1,))
+        Engine(model, tokenizer, EngineConfig(max_num_seqs=2, block_size=4, num_blocks=200),
+                        eos_token_ids=(1,))
     assert "repetition_penalty=1.05" in caplog.text
 
 
@@ -290,12 +296,14 @@ def test_batch_or_window_dependent_models_are_refused(config_class, fields, feat
     (the start check's prompt runs past any window the config carries)."""
     model = _model(config_class, fields)
     with pytest.raises(ModelError, match=feature):
-        engine = Engine(model, tokenizer, max_num_seqs=2, block_size=4, num_blocks=200, eos_token_ids=(1,))
+        engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=2, block_size=4, num_blocks=200),
+                        eos_token_ids=(1,))
         engine.warmup()
 
 
 def test_a_window_in_a_config_whose_layers_are_all_full_is_not_refused(tokenizer):
     model = _model(T.Gemma3TextConfig, dict(sliding_window=WINDOW, query_pre_attn_scalar=8,
                                             layer_types=["full_attention"] * 4))
-    engine = Engine(model, tokenizer, max_num_seqs=2, block_size=4, num_blocks=200, eos_token_ids=(1,))
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=2, block_size=4, num_blocks=200),
+                        eos_token_ids=(1,))
     engine.warmup()

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from ringstream.daemon.notify import Notifier, WatchdogGate
+from ringstream.daemon.front.notify import Notifier, WatchdogGate
 
 RECV_TIMEOUT_S = 2.0
 MAX_DATAGRAM = 4096

@@ -12,6 +12,8 @@ import pytest
 
 from tests.daemon_helpers import running_daemon
 
+pytestmark = pytest.mark.e2e
+
 WATCHDOG_USEC = 2_000_000
 
 

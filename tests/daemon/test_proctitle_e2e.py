@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from ringstream.ipc.client import Client
 from tests.daemon_helpers import running_daemon
+
+pytestmark = pytest.mark.e2e
 
 
 def _ps_args(pid: int) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ringstream.daemon.request import DaemonState, RequestStatus
+from ringstream.daemon.front.request import DaemonState, RequestStatus
 from ringstream.ipc import protocol as P
 
 

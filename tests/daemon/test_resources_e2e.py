@@ -5,9 +5,13 @@ from __future__ import annotations
 import glob
 import uuid
 
+import pytest
+
 from ringstream.ipc.client import Client
 from ringstream.ipc.ring import RingConsumer
 from tests.daemon_helpers import running_daemon, wait_exit
+
+pytestmark = pytest.mark.e2e
 
 
 def test_rings_of_a_killed_instance_are_reclaimed_at_the_next_start(tmp_path):

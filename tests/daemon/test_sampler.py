@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringstream.daemon.sampler import SamplingTensors, sample, token_seed, top_k_top_p_threshold
+from ringstream.daemon.engine.sampler import SamplingTensors, sample, token_seed, top_k_top_p_threshold
 
 VOCAB = 32
 

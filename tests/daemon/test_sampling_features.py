@@ -15,9 +15,9 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from ringstream.daemon.engine import Engine, EngineRequest, SamplingParams
-from ringstream.daemon.sampler import SamplingTensors, apply_penalties, sample
-from ringstream.daemon.stops import StopScanner
+from ringstream.daemon.engine.engine import Engine, EngineConfig, EngineRequest, SamplingParams
+from ringstream.daemon.engine.sampler import SamplingTensors, apply_penalties, sample
+from ringstream.daemon.common.stops import StopScanner
 from tests.factories import load_model, load_tokenizer, make_tiny_model_dir
 
 TEXT = "The engine keeps keys and values in a paged cache of fixed-size blocks. Requests join and leave"
@@ -44,9 +44,9 @@ def prompt(tiny) -> list[int]:
 
 def make_engine(tiny, **kwargs) -> Engine:
     model, tokenizer = tiny
-    kwargs.setdefault("eos_token_ids", (1,))
+    eos_token_ids = kwargs.pop("eos_token_ids", (1,))
     kwargs.setdefault("max_num_seqs", 8)
-    return Engine(model, tokenizer, **kwargs)
+    return Engine(model, tokenizer, EngineConfig(**kwargs), eos_token_ids=eos_token_ids)
 
 
 def run(engine: Engine, requests: list[EngineRequest]) -> dict[int, list]:
@@ -108,17 +108,17 @@ def test_prompt_logprobs_equal_the_forward_and_skip_the_prefix_cache(tiny, promp
     model = tiny[0]
     engine = make_engine(tiny, max_num_seqs=4, max_num_batched_tokens=budget, block_size=4)
     run(engine, [EngineRequest(1, prompt, SamplingParams(max_tokens=1, temperature=0.0))])  # fills the cache
-    hits = engine.prefix_hits
+    hits = engine.stats().prefix_hits
     params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3, ignore_eos=True)
     outputs = run(engine, [EngineRequest(2, prompt, params)])[2]
-    assert engine.prefix_hits == hits  # every prompt position was computed again
+    assert engine.stats().prefix_hits == hits  # every prompt position was computed again
     entries = outputs[0].prompt_logprobs
     assert len(entries) == len(prompt) - 1 and outputs[1].prompt_logprobs is None
     reference = raw_logprobs(model, prompt)
     for i, entry in enumerate(entries):
         assert_logprob(entry, prompt[i + 1], reference[i], 3)
     run(engine, [EngineRequest(3, prompt, SamplingParams(max_tokens=1, temperature=0.0))])
-    assert engine.prefix_hits > hits  # without prompt logprobs the cache serves again
+    assert engine.stats().prefix_hits > hits  # without prompt logprobs the cache serves again
 
 
 # ---------------------------------------------------------------------- penalties
@@ -307,7 +307,7 @@ def test_prompt_logprobs_survive_a_preemption_mid_prefill(tiny, prompt):
                          max_model_len=40)
     busy = EngineRequest(2, prompt[:10], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
     both = run(engine, [busy, EngineRequest(1, prompt, params, priority=1)])
-    assert engine.num_preemptions > 0
+    assert engine.stats().num_preemptions > 0
     assert [o.token_id for o in both[1]] == [o.token_id for o in alone]
     got, expected = both[1][0].prompt_logprobs, alone[0].prompt_logprobs
     assert [e.token_id for e in got] == [e.token_id for e in expected] == prompt[1:]

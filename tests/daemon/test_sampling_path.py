@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from ringstream.daemon.engine_api import EngineRequest, check_request
-from ringstream.daemon.model import ModelInfo
-from ringstream.daemon.request import Request
-from ringstream.daemon.synthetic import SyntheticEngine
-from ringstream.daemon.validate import RequestRejected, Validator
-from ringstream.daemon.worker import Worker
+from ringstream.daemon.engine.interface import EngineRequest, check_request
+from ringstream.daemon.common.model_dir import ModelInfo
+from ringstream.daemon.front.request import Request
+from ringstream.daemon.engine.synthetic import SyntheticEngine
+from ringstream.daemon.front.validate import RequestRejected, Validator
+from ringstream.daemon.worker.loop import Worker
 from ringstream.ipc import protocol as P
 from ringstream.ipc.client_base import _generate_frame
 from tests.daemon.fake_ports import make_core, worker_ready

@@ -3,7 +3,8 @@
 import itertools
 import random
 
-from ringstream.daemon.scheduler import Scheduler, SchedulerPolicy, WorkerBudget
+from ringstream.daemon.front.scheduler import Scheduler, SchedulerPolicy, WorkerBudget
+from ringstream.ipc import protocol as P
 
 _ids = itertools.count()
 
@@ -29,8 +30,9 @@ class FakeRequest:
 
 def make(workers=1, slots=2, kv_tokens=1000, max_model_len=512, **policy):
     sched = Scheduler(SchedulerPolicy(**{"max_concurrency": 64, **policy}))
-    sched.workers = [WorkerBudget(i, max_num_seqs=slots, max_model_len=max_model_len, kv_cache_tokens=kv_tokens,
-                                  ready=True) for i in range(workers)]
+    capacity = P.WorkerCapacity(max_num_seqs=slots, max_model_len=max_model_len, kv_cache_tokens=kv_tokens,
+                                block_size=0)
+    sched.workers = [WorkerBudget(i, capacity, ready=True) for i in range(workers)]
     return sched
 
 
@@ -226,7 +228,7 @@ def test_budget_follows_tokens_in_use():
 def test_prefix_aware_placement_prefers_the_worker_holding_the_prefix():
     sched = make(workers=2, slots=8, kv_tokens=1000, aging_rate=0.0)
     for w in sched.workers:
-        w.block_size, w.prefix_caching = 4, True
+        w.capacity.block_size, w.capacity.prefix_caching = 4, True
     shared = list(range(3, 23))
     first = FakeRequest(0, 0.0, 0, 1)
     first.prompt_token_ids, first.num_prompt_tokens = shared + [50], 21
@@ -263,7 +265,7 @@ def test_max_request_tokens_is_the_largest_ready_worker_limit():
 def test_a_prefix_placed_on_a_worker_is_not_charged_again():
     """Eight 105-token prompts sharing 96 tokens fit a 180-token worker together (one alone costs 106)."""
     sched = make(workers=1, slots=8, kv_tokens=180, aging_rate=0.0)
-    sched.workers[0].block_size, sched.workers[0].prefix_caching = 16, True
+    sched.workers[0].capacity.block_size, sched.workers[0].capacity.prefix_caching = 16, True
     shared = list(range(3, 99))  # six full blocks
     requests = []
     for i in range(8):

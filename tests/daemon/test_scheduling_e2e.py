@@ -9,25 +9,20 @@ import time
 import pytest
 
 from ringstream.ipc.client import AsyncClient, Client, InvalidRequest
-from tests.daemon_helpers import running_daemon
 
 # These tests time a real daemon on a shared 2-core host; one rerun absorbs a scheduling hiccup of the
 # host, while a real regression fails every run.
-pytestmark = pytest.mark.flaky(reruns=2)
+pytestmark = [pytest.mark.e2e, pytest.mark.flaky(reruns=2)]
 
 LONG = dict(max_tokens=300, temperature=0.0, ignore_eos=True)
 FEEDERS = 3
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("sched")
-    config = tmp / "ringstream.toml"
-    config.write_text("max_num_seqs = 16\nmax_concurrency = 2\npreemption = true\naging_rate = 1.0\n"
-                      "client_timeout_s = 1.5\n")
-    with running_daemon(tmp, "--config", str(config)) as d:
-        d.config_path = config
-        yield d
+def daemon(start_module_daemon):
+    """Its ``config_path`` is rewritten by the reload test."""
+    return start_module_daemon(max_num_seqs=16, max_concurrency=2, preemption=True, aging_rate=1.0,
+                               client_timeout_s=1.5)
 
 
 @pytest.fixture

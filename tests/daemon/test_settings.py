@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ringstream.daemon.config import Config, load_config
-from ringstream.daemon.settings import LIVE_SETTINGS, change_settings, reload_changes
+from ringstream.daemon.common.config import Config, load_config
+from ringstream.daemon.common.settings import LIVE_SETTINGS, change_settings, reload_changes
 
 
 def test_a_change_returns_the_new_config_and_only_what_differs():

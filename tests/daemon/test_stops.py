@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ringstream.daemon.stops import StopScanner
+from ringstream.daemon.common.stops import StopScanner
 
 
 def feed(scanner: StopScanner, deltas: list[str]) -> list[str]:

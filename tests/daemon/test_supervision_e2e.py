@@ -12,23 +12,21 @@ import urllib.request
 import pytest
 
 from ringstream.ipc.client import AsyncClient, Client, WorkerFailed
-from tests.daemon_helpers import running_daemon
+
+pytestmark = pytest.mark.e2e
 
 PROMPTS = ["The socket module", "Return the", "A list of", "If the file"]
 PARAMS = dict(max_tokens=60, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("sup")
-    config = tmp / "ringstream.toml"
-    config.write_text("worker_stall_timeout_s = 3.0\n")
+def daemon(start_module_daemon):
     port = _free_port()
-    with running_daemon(tmp, "--devices", "cpu,cpu", "--config", str(config), "--metrics-port", str(port)) as d:
-        d.metrics_url = f"http://127.0.0.1:{port}/metrics"
-        with Client(d.address) as client:
-            d.alone = {p: client.complete(p, **PARAMS).token_ids for p in PROMPTS}
-        yield d
+    d = start_module_daemon("--devices", "cpu,cpu", "--metrics-port", str(port), worker_stall_timeout_s=3.0)
+    d.metrics_url = f"http://127.0.0.1:{port}/metrics"
+    with Client(d.address) as client:
+        d.alone = {p: client.complete(p, **PARAMS).token_ids for p in PROMPTS}
+    return d
 
 
 def _free_port() -> int:

@@ -6,9 +6,10 @@ import time
 
 import pytest
 
-from ringstream.daemon.engine import BaseEngine, CapacityError, Engine, EngineError, EngineRequest, SamplingParams
-from ringstream.daemon.synthetic import SyntheticEngine, synthetic_text, synthetic_token_id
-from tests.daemon_helpers import running_daemon
+from ringstream.daemon.engine.engine import (
+    BaseEngine, CapacityError, Engine, EngineConfig, EngineError, EngineRequest, SamplingParams,
+)
+from ringstream.daemon.engine.synthetic import SyntheticEngine, synthetic_text, synthetic_token_id
 from tests.factories import load_model, load_tokenizer, make_tiny_model_dir
 
 VOCAB = 4096
@@ -71,7 +72,7 @@ def test_continuous_batching_one_output_per_running_request_per_step():
     eng.add(request(2, max_tokens=3))
     steps = [eng.step()]
     assert {o.handle for o in steps[0]} == {1, 2}
-    assert (eng.num_running, eng.num_waiting) == (1, 0)
+    assert (eng.stats().num_running, eng.stats().num_waiting) == (1, 0)
     eng.add(request(3, max_tokens=2))  # takes the slot handle 1 freed
     steps.append(eng.step())
     assert sorted(o.handle for o in steps[1]) == [2, 3]
@@ -88,7 +89,7 @@ def test_waiting_requests_are_admitted_fifo_when_slots_free():
     for handle in (1, 2):
         eng.add(request(handle, max_tokens=2))
     eng.step()
-    assert eng.num_running == 2
+    assert eng.stats().num_running == 2
     with pytest.raises(CapacityError):
         eng.add(request(3))
     run(eng)
@@ -145,9 +146,9 @@ def test_abort_waiting_and_running_requests():
     eng = engine(max_num_seqs=2)
     eng.add(request(1, max_tokens=10))
     eng.add(request(2, max_tokens=10))
-    assert eng.abort(2) and eng.num_waiting == 1
+    assert eng.abort(2) and eng.stats().num_waiting == 1
     eng.step()
-    assert eng.num_running == 1
+    assert eng.stats().num_running == 1
     assert eng.abort(1) and not eng.has_unfinished()
     assert not eng.abort(1)
     assert eng.step() == []
@@ -243,7 +244,7 @@ def scripted(eng: BaseEngine) -> list:
             trace.append(("abort", eng.abort(2), eng.abort(99)))
         outputs = eng.step()
         trace.append(sorted((o.handle, o.seq, o.finish_reason) for o in outputs))
-        trace.append((eng.num_running, eng.num_waiting))
+        trace.append((eng.stats().num_running, eng.stats().num_waiting))
     return trace
 
 
@@ -256,14 +257,15 @@ def test_same_batching_semantics_as_engine(tmp_path):
     try:
         model_dir = make_tiny_model_dir(tmp_path / "tiny")
         model = load_model(model_dir)
-        engine = Engine(model, load_tokenizer(model_dir), max_num_seqs=3)
+        engine = Engine(model, load_tokenizer(model_dir), EngineConfig(max_num_seqs=3))
         synthetic = SyntheticEngine(max_num_seqs=3, step_time_s=0.0, vocab_size=model.config.vocab_size)
         assert scripted(synthetic) == scripted(engine)
     finally:
         torch.set_num_threads(threads)
 
 
-def test_daemon_streams_synthetic_tokens(tmp_path):
+@pytest.mark.e2e
+def test_daemon_streams_synthetic_tokens(start_daemon):
     """End to end through a daemon started with ``--engine synthetic``."""
     from ringstream.ipc.client import Client
     from ringstream.tools.bench_serving import synthetic_engine_support
@@ -271,10 +273,10 @@ def test_daemon_streams_synthetic_tokens(tmp_path):
     reason = synthetic_engine_support()
     if reason is not None:
         pytest.skip(reason)
-    with running_daemon(tmp_path, "--engine", "synthetic", "--synthetic-step-ms", "0.5", "--devices", "cpu") as d:
-        with Client(d.address) as client:
-            chunks = list(client.generate(prompt_token_ids=[5, 6, 7], max_tokens=6, ignore_eos=True))
-            stopped = client.complete("Return the", max_tokens=50, ignore_eos=True, stop=[" t4"])
+    d = start_daemon("--engine", "synthetic", "--synthetic-step-ms", "0.5", "--devices", "cpu")
+    with Client(d.address) as client:
+        chunks = list(client.generate(prompt_token_ids=[5, 6, 7], max_tokens=6, ignore_eos=True))
+        stopped = client.complete("Return the", max_tokens=50, ignore_eos=True, stop=[" t4"])
     assert "".join(c.text for c in chunks) == " t0 t1 t2 t3 t4 t5"
     assert len([t for c in chunks for t in c.token_ids]) == 6 and chunks[-1].finish_reason == "length"
     assert chunks[-1].usage.completion_tokens == 6
@@ -282,7 +284,7 @@ def test_daemon_streams_synthetic_tokens(tmp_path):
 
 
 def test_new_sampling_fields_are_accepted_min_tokens_holds_stops_and_logprobs_are_fixed():
-    from ringstream.daemon.synthetic import SYNTHETIC_LOGPROB
+    from ringstream.daemon.engine.synthetic import SYNTHETIC_LOGPROB
     eos = synthetic_token_id(0, 2, VOCAB)
     eng = engine(eos_token_ids=(eos,))
     eng.add(request(0, max_tokens=10, min_tokens=4, presence_penalty=1.0, frequency_penalty=-1.0,

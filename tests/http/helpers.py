@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import selectors
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
-from ringstream.daemon.http_api import READY_LINE
+from ringstream.daemon.http.server import READY_LINE
 
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 15.0
+HTTP_CHILD_WAIT_S = 20.0
+"""How long :func:`http_url` waits for a daemon's HTTP child to log its URL."""
 
 
 class HttpProcess:
-    """A running ``python -m ringstream.daemon.http_api``: its ``url`` (the first bound) and ``proc``."""
+    """A running ``python -m ringstream.daemon.http.server``: its ``url`` (the first bound) and ``proc``."""
 
     def __init__(self, proc: subprocess.Popen, urls: list[str]) -> None:
         self.proc = proc
@@ -46,7 +51,7 @@ def running_http(socket_address: str, *args: str, listen: str = "127.0.0.1:0"):
     On exit it is stopped with SIGTERM (SIGKILL after :data:`STOP_TIMEOUT_S`);
     a clean block fails unless the server exited 0 on its own.
     """
-    command = [sys.executable, "-P", "-m", "ringstream.daemon.http_api", "--socket", socket_address,
+    command = [sys.executable, "-P", "-m", "ringstream.daemon.http.server", "--socket", socket_address,
                "--shutdown-grace", "1", "--log-level", "warning"]
     if listen:
         command += ["--listen", listen]
@@ -68,6 +73,28 @@ def running_http(socket_address: str, *args: str, listen: str = "127.0.0.1:0"):
         proc.stderr.close()
     if clean:
         assert code == 0, f"the HTTP server exited with {code}:\n{err}"
+
+
+def http_url(daemon) -> str:
+    """The URL the HTTP child logged it serves on (the port the front bound for ``--http 127.0.0.1:0``)."""
+    deadline = time.monotonic() + HTTP_CHILD_WAIT_S
+    while time.monotonic() < deadline:
+        match = re.search(r"http serving on (http://\S+)", daemon.log())
+        if match:
+            return match.group(1)
+        time.sleep(0.1)
+    raise AssertionError(f"the HTTP child did not start:\n{daemon.log_tail()}")
+
+
+def raw(url: str, path: str, body: bytes | None = None, headers: dict | None = None) -> tuple[int, dict, bytes]:
+    """One HTTP request with the standard library: (status, headers, body)."""
+    req = urllib.request.Request(url + path, data=body, headers=headers or {}, method="POST" if body is not None
+                                 else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
 
 
 def host_port(url: str) -> tuple[str, int]:

@@ -8,8 +8,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 import openai
 import pytest
@@ -20,8 +18,9 @@ except ImportError:
     import httpx
 
 from ringstream.ipc.client import Client
-from tests.daemon_helpers import running_daemon
-from tests.http.helpers import running_http
+from tests.http.helpers import raw, running_http
+
+pytestmark = pytest.mark.e2e
 
 MODEL = "default_model"
 """The built-in model directory's name, under which the synthetic daemon's model is served."""
@@ -31,9 +30,8 @@ CHATML = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endf
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    with running_daemon(tmp_path_factory.mktemp("d"), *STEP_ARGS) as d:
-        yield d
+def daemon(start_module_daemon):
+    return start_module_daemon(*STEP_ARGS)
 
 
 @pytest.fixture(scope="module")
@@ -46,17 +44,6 @@ def server(daemon):
 def api(server):
     with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30) as client:
         yield client
-
-
-def raw(url: str, path: str, body: bytes | None = None, headers: dict | None = None) -> tuple[int, dict, bytes]:
-    """One HTTP request with the standard library: (status, headers, body)."""
-    req = urllib.request.Request(url + path, data=body, headers=headers or {}, method="POST" if body is not None
-                                 else "GET")
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, dict(resp.headers), resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, dict(exc.headers), exc.read()
 
 
 def open_requests(daemon) -> int:
@@ -202,7 +189,7 @@ def test_api_key_and_unix_socket(daemon, tmp_path):
 
 
 def test_non_loopback_refused_without_key(daemon):
-    out = subprocess.run([sys.executable, "-P", "-m", "ringstream.daemon.http_api", "--socket", daemon.address,
+    out = subprocess.run([sys.executable, "-P", "-m", "ringstream.daemon.http.server", "--socket", daemon.address,
                           "--listen", "0.0.0.0:0"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "needs an API key" in out.stderr
 

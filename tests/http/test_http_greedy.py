@@ -7,11 +7,13 @@ import signal
 import time
 
 import openai
+import pytest
 
 from ringstream.ipc.client import Client
 from tests.daemon_helpers import running_daemon
-from tests.http.helpers import running_http
-from tests.http.test_http_e2e import raw
+from tests.http.helpers import raw, running_http
+
+pytestmark = pytest.mark.e2e
 
 PROMPT = "The socket module"
 

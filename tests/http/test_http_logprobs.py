@@ -12,10 +12,12 @@ import openai
 import pytest
 import torch
 
-from ringstream.daemon.model import DEFAULT_MODEL_DIR, load_model, resolve_model_dir
+from ringstream.daemon.common.model_dir import DEFAULT_MODEL_DIR, resolve_model_dir
+from ringstream.daemon.engine.loader import load_model
 from ringstream.ipc.client import Client
-from tests.daemon_helpers import running_daemon
 from tests.http.helpers import running_http
+
+pytestmark = pytest.mark.e2e
 
 PROMPT = "The socket module"
 CHATML = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -23,12 +25,11 @@ CHATML = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endf
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    path = tmp_path_factory.mktemp("d")
-    template = path / "chat.jinja"
+def served(start_module_daemon, tmp_path_factory):
+    template = tmp_path_factory.mktemp("d") / "chat.jinja"
     template.write_text(CHATML)
-    with running_daemon(path, "--devices", "cpu") as daemon, \
-            running_http(daemon.address, "--chat-template", str(template)) as server:
+    daemon = start_module_daemon("--devices", "cpu")
+    with running_http(daemon.address, "--chat-template", str(template)) as server:
         yield daemon, server
 
 

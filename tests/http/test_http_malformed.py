@@ -15,12 +15,13 @@ import time
 import pytest
 import zmq
 
-from ringstream.daemon.http_limits import MAX_FIELD_BYTES, MAX_HEADERS, MAX_LINE_BYTES
-from ringstream.daemon.openai_schema import MAX_CHOICES, MAX_MESSAGES
+from ringstream.daemon.http.options import MAX_FIELD_BYTES, MAX_HEADERS, MAX_LINE_BYTES
+from ringstream.daemon.http.openai_schema import MAX_CHOICES, MAX_MESSAGES
 from ringstream.ipc import protocol as P
-from tests.daemon_helpers import running_daemon
 from tests.http.helpers import body_of, exchange, post_bytes, running_http
 from tests.reliability.helpers import MIB, rss
+
+pytestmark = pytest.mark.e2e
 
 STEP_ARGS = ("--engine", "synthetic", "--devices", "cpu", "--synthetic-step-ms", "5")
 RSS_BOUND = 30 * MIB
@@ -31,9 +32,8 @@ DEEP = 100_000
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    with running_daemon(tmp_path_factory.mktemp("d"), *STEP_ARGS) as d:
-        yield d
+def daemon(start_module_daemon):
+    return start_module_daemon(*STEP_ARGS)
 
 
 @pytest.fixture(scope="module")

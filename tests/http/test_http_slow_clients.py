@@ -30,14 +30,15 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
-from ringstream.daemon.http_limits import LINGER_S, OWN_FILES, REFUSAL, ConfigError, HttpLimits
+from ringstream.daemon.http.limits import OWN_FILES, REFUSAL
+from ringstream.daemon.http.options import LINGER_S, HttpLimits
+from ringstream.daemon.common.listen import ConfigError
 from ringstream.ipc.client import Client
-from tests.daemon_helpers import running_daemon
 from tests.http.helpers import body_of, exchange, host_port, post_bytes, read_until_closed, running_http, status_of
 from tests.reliability.helpers import MIB, rss
 
 # Timed against real processes on a shared 2-core host: one rerun absorbs a host hiccup.
-pytestmark = pytest.mark.flaky(reruns=1)
+pytestmark = [pytest.mark.e2e, pytest.mark.flaky(reruns=1)]
 
 STEP_MS = 10
 STEP_ARGS = ("--engine", "synthetic", "--devices", "cpu", "--synthetic-step-ms", str(STEP_MS))
@@ -51,9 +52,8 @@ LONG_TOKENS = 480
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    with running_daemon(tmp_path_factory.mktemp("d"), *STEP_ARGS) as d:
-        yield d
+def daemon(start_module_daemon):
+    return start_module_daemon(*STEP_ARGS)
 
 
 @pytest.fixture(scope="module")
@@ -314,11 +314,11 @@ def _wait(condition, timeout_s: float, what: str) -> None:
 def test_limits_are_checked_and_fitted_to_the_open_file_limit():
     with pytest.raises(ConfigError, match="write_timeout_s"):
         HttpLimits(write_timeout_s=0)
-    out = subprocess.run([sys.executable, "-P", "-m", "ringstream.daemon.http_api", "--socket", "ipc:///nowhere",
+    out = subprocess.run([sys.executable, "-P", "-m", "ringstream.daemon.http.server", "--socket", "ipc:///nowhere",
                           "--max-connections", "0"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "max_connections = 0: must be > 0" in out.stderr
     script = ("import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (100, 200)); "
-              "from ringstream.daemon.http_limits import fit_open_files; "
+              "from ringstream.daemon.http.limits import fit_open_files; "
               "print(fit_open_files(100), fit_open_files(1000), resource.getrlimit(resource.RLIMIT_NOFILE)[0])")
     out = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, timeout=30)
     assert out.stdout.split() == ["100", str(200 - OWN_FILES), "200"], out.stderr

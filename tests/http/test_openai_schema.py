@@ -8,11 +8,13 @@ import msgspec
 
 import pytest
 
-from ringstream.daemon import openai_schema as S
-from ringstream.daemon.chat_template import ChatTemplate, ChatTemplateError, render_chat_prompt
-from ringstream.daemon.config import is_loopback_host as is_loopback
-from ringstream.daemon.http_api import ConfigError, HttpServer, check_listen_auth, parse_listen
-from ringstream.daemon.http_app import authorized
+from ringstream.daemon.http import openai_schema as S
+from ringstream.daemon.common.chat_template import ChatTemplate, ChatTemplateError, render_chat_prompt
+from ringstream.daemon.common.config import is_loopback_host as is_loopback
+from ringstream.daemon.http.options import HttpOptions
+from ringstream.daemon.http.server import HttpServer
+from ringstream.daemon.common.listen import ConfigError, check_listen_auth, parse_listen
+from ringstream.daemon.http.routes import authorized
 from ringstream.ipc import errors as E
 
 CHATML = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
@@ -125,13 +127,13 @@ def test_non_loopback_listen_needs_a_key(tmp_path):
         check_listen_auth(host, "k")
     check_listen_auth(None, None)  # a unix socket only
     with pytest.raises(ConfigError, match="API key"):
-        HttpServer("ipc:///nonexistent", "0.0.0.0:8000")
+        HttpServer(HttpOptions("ipc:///nonexistent", "0.0.0.0:8000"))
     empty = tmp_path / "key"
     empty.write_text("\n")
     with pytest.raises(ConfigError, match="empty"):
-        HttpServer("ipc:///nonexistent", "0.0.0.0:8000", api_key_file=empty)
+        HttpServer(HttpOptions("ipc:///nonexistent", "0.0.0.0:8000", api_key_file=empty))
     with pytest.raises(ConfigError, match="cannot read"):
-        HttpServer("ipc:///nonexistent", "0.0.0.0:8000", api_key_file=tmp_path / "missing")
+        HttpServer(HttpOptions("ipc:///nonexistent", "0.0.0.0:8000", api_key_file=tmp_path / "missing"))
     for bad in ("8000", "host:", ":80", "h:99999", "h:x"):
         with pytest.raises(ConfigError):
             parse_listen(bad)
@@ -181,7 +183,7 @@ def test_chat_template_is_sandboxed_and_missing_is_a_typed_error(tmp_path):
 
 
 def test_seeded_samples_of_one_prompt_get_their_own_seeds():
-    from ringstream.daemon.http_generation import job_params, jobs_of
+    from ringstream.daemon.http.generation import job_params, jobs_of
     jobs = jobs_of(["a", "b"], 3)
     assert [(j.index, j.prompt, j.sample) for j in jobs] == [
         (0, "a", 0), (1, "a", 1), (2, "a", 2), (3, "b", 0), (4, "b", 1), (5, "b", 2)]
@@ -190,7 +192,7 @@ def test_seeded_samples_of_one_prompt_get_their_own_seeds():
 
 
 def test_logprobs_bodies_from_token_logprobs():
-    from ringstream.daemon import http_logprobs as L
+    from ringstream.daemon.http import logprobs as L
     from ringstream.ipc import protocol as P
 
     class Tok:

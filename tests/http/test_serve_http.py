@@ -16,6 +16,7 @@ import pytest
 
 from ringstream.ipc.client import Client
 from tests.daemon_helpers import running_daemon, wait_exit
+from tests.http.helpers import http_url
 
 MODEL = "default_model"
 STEP_ARGS = ("--engine", "synthetic", "--devices", "cpu", "--synthetic-step-ms", "10")
@@ -36,17 +37,6 @@ def http_pid(daemon) -> int | None:
     return None
 
 
-def http_url(daemon) -> str:
-    """The URL the HTTP child logged it serves on (the port the front bound for ``--http 127.0.0.1:0``)."""
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        match = re.search(r"http serving on (http://\S+)", daemon.log())
-        if match:
-            return match.group(1)
-        time.sleep(0.1)
-    raise AssertionError(f"the HTTP child did not start:\n{daemon.log_tail()}")
-
-
 def get(url: str, timeout_s: float = 10) -> tuple[int, dict, str]:
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as resp:
@@ -62,12 +52,13 @@ def gauge(text: str, name: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    with running_daemon(tmp_path_factory.mktemp("d"), *STEP_ARGS, "--http", "127.0.0.1:0") as d:
-        d.url = http_url(d)
-        yield d
+def daemon(start_module_daemon):
+    d = start_module_daemon(*STEP_ARGS, "--http", "127.0.0.1:0")
+    d.url = http_url(d)
+    return d
 
 
+@pytest.mark.e2e
 def test_completions_health_metrics_and_chat(daemon):
     assert http_pid(daemon) is not None
     assert get(daemon.url + "/health")[0] == 200
@@ -79,7 +70,7 @@ def test_completions_health_metrics_and_chat(daemon):
         assert chat.choices[0].message.content == " t0 t1 t2"
     from tokenizers import Tokenizer
 
-    from ringstream.daemon.model import DEFAULT_MODEL_DIR
+    from ringstream.daemon.common.model_dir import DEFAULT_MODEL_DIR
     rendered = "<s><|system|>\nbe brief</s>\n<|user|>\nhi</s>\n<|assistant|>\n"  # the built-in model's template
     tokenizer = Tokenizer.from_file(str(DEFAULT_MODEL_DIR / "tokenizer.json"))
     assert chat.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False).ids)
@@ -101,6 +92,7 @@ def test_completions_health_metrics_and_chat(daemon):
         stream.close()
 
 
+@pytest.mark.e2e
 def test_killed_http_child_is_restarted(daemon):
     first = http_pid(daemon)
     os.kill(first, signal.SIGKILL)
@@ -121,6 +113,7 @@ def requests_get(url: str) -> tuple[int, bytes]:
         return exc.code, exc.read()
 
 
+@pytest.mark.e2e
 def test_sigterm_finishes_the_http_stream_in_flight_then_stops(tmp_path):
     with running_daemon(tmp_path, *STEP_ARGS, "--http", "127.0.0.1:0") as daemon:
         url = http_url(daemon)
@@ -150,6 +143,7 @@ def test_sigterm_finishes_the_http_stream_in_flight_then_stops(tmp_path):
         assert wait_exit([child], 5) == []
 
 
+@pytest.mark.e2e
 def test_a_taken_port_fails_the_start(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -163,7 +157,7 @@ def test_a_taken_port_fails_the_start(tmp_path):
 
 
 def test_http_settings_are_checked():
-    from ringstream.daemon.config import load_config
+    from ringstream.daemon.common.config import load_config
     assert load_config(None, http="127.0.0.1:8000").serves_http and not load_config(None).serves_http
     assert load_config(None, http="[::1]:8000", served_model_name="m").http == "[::1]:8000"
     for bad, message in ((dict(http="0.0.0.0:8000"), "needs api_key_file"), (dict(http="8000"), "HOST:PORT"),

@@ -69,6 +69,7 @@ def test_the_systemd_socket_is_used_when_it_exists(env, tmp_path, listener):
     assert client_socket() == f"ipc://{tmp_path}/ringstream/default.sock"
 
 
+@pytest.mark.e2e
 def test_a_systemd_socket_in_a_closed_folder_counts_as_there(env, open_dir):
     closed = open_dir / "ringstream"
     closed.mkdir(mode=0o700)
@@ -95,6 +96,7 @@ def test_unreachable_tells_missing_stale_and_listening_sockets_apart(tmp_path, l
     assert not unix_socket_listening(str(tmp_path / "missing.sock"))
 
 
+@pytest.mark.e2e
 def test_a_socket_in_a_closed_folder_is_permission_denied_not_missing(open_dir):
     closed = open_dir / "closed"
     closed.mkdir(mode=0o700)

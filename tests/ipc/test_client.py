@@ -245,6 +245,7 @@ def test_a_daemon_that_goes_away_is_noticed_at_the_next_request(tmp_path, make_c
     assert time.monotonic() - start < FAST_FAIL_S
 
 
+@pytest.mark.e2e
 def test_a_socket_in_a_closed_folder_says_permission_denied():
     top = Path(tempfile.mkdtemp(prefix="ringstream-client-"))
     try:

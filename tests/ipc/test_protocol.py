@@ -28,8 +28,9 @@ WORKER_MESSAGES = [
                                  output_token_ids=[4])),
     (P.COMMAND_DECODER, P.Abort(handle=1)),
     (P.COMMAND_DECODER, P.Shutdown()),
-    (P.EVENT_DECODER, P.WorkerReady(worker=0, pid=1, device="cpu", max_num_seqs=4, max_model_len=512,
-                                    kv_cache_tokens=2048, kv_cache_bytes=1 << 20)),
+    (P.EVENT_DECODER, P.WorkerReady(worker=0, pid=1, device="cpu", capacity=P.WorkerCapacity(
+        max_num_seqs=4, max_model_len=512, kv_cache_tokens=2048, kv_cache_bytes=1 << 20, block_size=16,
+        prefix_caching=True))),
     (P.EVENT_DECODER, P.Doorbell(worker=1)),
     (P.FINISH_DECODER, P.Finish(finish_reason=P.FinishReason.LENGTH, prompt_tokens=3, completion_tokens=4)),
 ]

@@ -253,6 +253,7 @@ def test_segment_of_other_live_process_is_not_touched(make_name: Callable[[], st
     assert read_segment(owner.path) == before
 
 
+@pytest.mark.e2e
 def test_stale_segment_of_dead_owner_is_reclaimed(make_name: Callable[[], str]) -> None:
     name = make_name()
     script = (
@@ -280,6 +281,7 @@ def test_stale_segment_of_dead_owner_is_reclaimed(make_name: Callable[[], str]) 
         assert header["write_pos"] == 0
 
 
+@pytest.mark.e2e
 def test_stale_segment_with_dead_pid_written_in_header(make_name: Callable[[], str]) -> None:
     owner = RingConsumer.create(make_name(), SMALL_CAPACITY)
     owner.close()
@@ -288,6 +290,7 @@ def test_stale_segment_with_dead_pid_written_in_header(make_name: Callable[[], s
         assert reclaimed.instance_id != owner.instance_id
 
 
+@pytest.mark.e2e
 def test_stale_segment_of_a_zombie_owner_is_reclaimed(make_name: Callable[[], str]) -> None:
     """A SIGKILLed owner not yet reaped by its parent must not block the next owner."""
     name = make_name()
@@ -313,6 +316,7 @@ def test_stale_segment_of_a_zombie_owner_is_reclaimed(make_name: Callable[[], st
         child.wait()
 
 
+@pytest.mark.e2e
 def test_stale_segment_being_reclaimed_elsewhere_is_not_touched(
     make_name: Callable[[], str],
 ) -> None:
@@ -383,6 +387,7 @@ def test_symlink_is_not_followed(make_name: Callable[[], str], tmp_path: Path) -
         RingProducer.attach(name)
 
 
+@pytest.mark.e2e
 def test_segment_of_other_user_is_not_touched(
     make_name: Callable[[], str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1073,6 +1078,7 @@ def consume(consumer: RingConsumer, total: int, data_bell: Doorbell, space_bell:
     return waits
 
 
+@pytest.mark.e2e
 def test_two_process_stress(make_name: Callable[[], str], tmp_path: Path) -> None:
     with RingConsumer.create(make_name(), STRESS_CAPACITY) as consumer:
         with producer_process(consumer, STRESS_RECORDS, tmp_path) as (data_bell, space_bell):
@@ -1087,6 +1093,7 @@ def test_two_process_stress(make_name: Callable[[], str], tmp_path: Path) -> Non
     )
 
 
+@pytest.mark.e2e
 def test_observer_tail_while_ring_runs(make_name: Callable[[], str], tmp_path: Path) -> None:
     """tail() returns only intact, consecutive records while the producer
     keeps overwriting the space the consumer frees."""
@@ -1361,6 +1368,7 @@ def test_follow_is_read_only(pair: tuple[RingConsumer, RingProducer]) -> None:
     assert os.path.exists(consumer.path)
 
 
+@pytest.mark.e2e
 def test_follow_while_a_fast_writer_laps_the_observer(
     make_name: Callable[[], str], tmp_path: Path
 ) -> None:

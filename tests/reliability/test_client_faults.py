@@ -15,16 +15,16 @@ import time
 import pytest
 import zmq
 
-from ringstream.daemon.clients import STUCK_GIVE_UP_FACTOR
-from ringstream.daemon.front import HOUSEKEEPING_S
+from ringstream.daemon.front.client_table import STUCK_GIVE_UP_FACTOR
+from ringstream.daemon.front.shell import HOUSEKEEPING_S
 from ringstream.ipc import protocol as P
 from ringstream.ipc.client import Client, DaemonUnavailable
 from tests.daemon_helpers import running_daemon
-from tests.reliability.helpers import MIB, killed_on_exit, rss, status, write_config
+from tests.reliability.helpers import MIB, killed_on_exit, rss, status
 from ringstream.tools.soak import check_synthetic_stream, gauges_idle, raw_socket, start_streaming_client, wait_for
 
 # Timed against real processes on a shared 2-core host: one rerun absorbs a host hiccup.
-pytestmark = pytest.mark.flaky(reruns=1)
+pytestmark = [pytest.mark.e2e, pytest.mark.flaky(reruns=1)]
 
 CLIENT_TIMEOUT_S = 1.0
 STEP_S = 0.005
@@ -36,12 +36,9 @@ HEARTBEAT_S = 0.25
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("clients")
-    config = write_config(tmp, f'engine = "synthetic"\nsynthetic_step_ms = {STEP_S * 1000}\ndevices = "cpu"\n'
-                               f"client_timeout_s = {CLIENT_TIMEOUT_S}\n")
-    with running_daemon(tmp, "--config", config) as d:
-        yield d
+def daemon(start_module_daemon):
+    return start_module_daemon(engine="synthetic", synthetic_step_ms=STEP_S * 1000, devices="cpu",
+                               client_timeout_s=CLIENT_TIMEOUT_S)
 
 
 @pytest.fixture

@@ -15,8 +15,7 @@ import zmq
 
 from ringstream.ipc import protocol as P
 from ringstream.ipc.client import Client
-from tests.daemon_helpers import running_daemon
-from tests.reliability.helpers import MIB, rss, status, write_config
+from tests.reliability.helpers import MIB, rss, status
 from ringstream.tools.soak import (
     HOSTILE_KINDS, VictimStreams, heartbeat_probe, hostile_frames, oversize_frames, raw_socket, run_barrage,
 )
@@ -39,14 +38,14 @@ NOT_COUNTED = ("bad_admin", "cancel_other_client", "cancel_flood")
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("hostile")
-    with running_daemon(tmp, "--devices", "cpu", "--config", write_config(tmp, "worker_threads = 1\n")) as d:
-        with Client(d.address) as client:
-            d.solo = client.complete(PROMPT, **GREEDY)
-        yield d
+def daemon(start_module_daemon):
+    d = start_module_daemon("--devices", "cpu", worker_threads=1)
+    with Client(d.address) as client:
+        d.solo = client.complete(PROMPT, **GREEDY)
+    return d
 
 
+@pytest.mark.e2e
 def test_1000_hostile_frames_get_typed_errors_while_a_greedy_stream_runs_unchanged(daemon):
     run_barrage(daemon.address, hostile_frames(SEED - 1, 300, VICTIM_ID))  # warm-up: allocator, caches
     before = status(daemon.address).counters
@@ -79,6 +78,7 @@ def test_1000_hostile_frames_get_typed_errors_while_a_greedy_stream_runs_unchang
     assert growth < RSS_BOUND, f"front RSS grew {growth / MIB:.1f} MiB"
 
 
+@pytest.mark.e2e
 def test_frames_over_the_size_limit_close_their_connection_and_nothing_else(daemon):
     answers, closed = oversize_frames(daemon.address, 3)
     assert (answers, closed) == (0, 3)
@@ -86,6 +86,7 @@ def test_frames_over_the_size_limit_close_their_connection_and_nothing_else(daem
         assert client.complete(PROMPT, **GREEDY).token_ids == daemon.solo.token_ids
 
 
+@pytest.mark.e2e
 def test_duplicate_borrowed_and_extended_messages(daemon):
     """A duplicate open id is refused; another client's id is its own; unknown trailing fields are ignored."""
     ctx = zmq.Context()
@@ -131,10 +132,11 @@ def _until_terminal(sock: zmq.Socket, rid: str, timeout_s: float = 60.0) -> list
     raise AssertionError(f"no terminal for {rid}")
 
 
+@pytest.mark.e2e
 def test_a_long_prompt_is_tokenised_off_the_loop_with_the_same_result(daemon):
     """Above INLINE_TOKENIZE_CHARS the front tokenises on a thread: same tokens, and Cancel still finds the id."""
-    from ringstream.daemon.intake import INLINE_TOKENIZE_CHARS
-    from ringstream.daemon.model import load_tokenizer, resolve_model_dir
+    from ringstream.daemon.front.intake import INLINE_TOKENIZE_CHARS
+    from ringstream.daemon.common.model_dir import load_tokenizer, resolve_model_dir
 
     prompt = "Return the table\n" + "-" * (INLINE_TOKENIZE_CHARS + 1000)  # 32 characters a token: fits the context
     ids = load_tokenizer(resolve_model_dir(None)).encode(prompt).ids
@@ -157,9 +159,10 @@ def test_a_long_prompt_is_tokenised_off_the_loop_with_the_same_result(daemon):
     assert msgs[-1].finish_reason == P.FinishReason.CANCELLED
 
 
+@pytest.mark.e2e
 def test_a_heartbeat_naming_every_possible_id_is_answered_briefly(daemon):
     """Open ids a daemon does not know get UNKNOWN_REQUEST, a bounded number per heartbeat (no amplification)."""
-    from ringstream.daemon.intake import MAX_UNKNOWN_ANSWERS
+    from ringstream.daemon.front.intake import MAX_UNKNOWN_ANSWERS
 
     frame = P.encode(P.Heartbeat(open_ids=[f"{i:x}" for i in range(P.MAX_OPEN_IDS)]))
     ctx = zmq.Context()

@@ -22,12 +22,14 @@ import pytest
 import zmq.auth
 
 from ringstream.daemon import cli
-from ringstream.daemon.config import load_config
+from ringstream.daemon.common.config import load_config
 from ringstream.ipc.client import Client, DaemonUnavailable, InvalidRequest
 from tests.daemon_helpers import running_daemon
 from tests.other_uid import NOBODY, run_as
 from tests.reliability.helpers import write_config
 from ringstream.tools import ringtop
+
+pytestmark = pytest.mark.e2e
 
 START_S = 60.0
 SYNTHETIC = ("--engine", "synthetic", "--devices", "cpu")

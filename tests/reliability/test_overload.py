@@ -14,11 +14,10 @@ import weakref
 
 import pytest
 
-from ringstream.daemon.front import HOUSEKEEPING_S
-from ringstream.daemon.scheduler import Scheduler, SchedulerPolicy, WorkerBudget
+from ringstream.daemon.front.shell import HOUSEKEEPING_S
+from ringstream.daemon.front.scheduler import Scheduler, SchedulerPolicy, WorkerBudget
 from ringstream.ipc import protocol as P
-from tests.daemon_helpers import running_daemon
-from tests.reliability.helpers import MIB, rss, status, write_config
+from tests.reliability.helpers import MIB, rss, status
 from ringstream.tools.soak import gauges_idle, offer_load, percentile, wait_for
 
 # Timed against a real daemon on a shared 2-core host: one rerun absorbs a host hiccup.
@@ -41,14 +40,12 @@ RSS_BOUND = 30 * MIB
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("overload")
+def daemon(start_module_daemon):
     port = _free_port()
-    config = write_config(tmp, f'engine = "synthetic"\nsynthetic_step_ms = {STEP_S * 1000}\ndevices = "cpu"\n'
-                               f"max_num_seqs = {SLOTS}\nmax_concurrency = {SLOTS}\nqueue_size = {QUEUE_SIZE}\n")
-    with running_daemon(tmp, "--config", config, "--metrics-port", str(port)) as d:
-        d.metrics_url = f"http://127.0.0.1:{port}/metrics"
-        yield d
+    d = start_module_daemon("--metrics-port", str(port), engine="synthetic", synthetic_step_ms=STEP_S * 1000,
+                            devices="cpu", max_num_seqs=SLOTS, max_concurrency=SLOTS, queue_size=QUEUE_SIZE)
+    d.metrics_url = f"http://127.0.0.1:{port}/metrics"
+    return d
 
 
 def _free_port() -> int:
@@ -73,6 +70,7 @@ def _gauges(url: str) -> dict[str, float]:
     return samples
 
 
+@pytest.mark.e2e
 def test_ten_times_capacity_is_refused_fast_and_the_admitted_meet_their_deadlines(daemon):
     offer_load(daemon.address, OFFERED_HZ, 1.0, _request)  # warm-up
     rss_before = rss(daemon.proc.pid)
@@ -93,6 +91,7 @@ def test_ten_times_capacity_is_refused_fast_and_the_admitted_meet_their_deadline
     assert growth < RSS_BOUND, f"front RSS grew {growth / MIB:.1f} MiB"
 
 
+@pytest.mark.e2e
 def test_every_gauge_is_back_to_zero_afterwards(daemon):
     offer_load(daemon.address, OFFERED_HZ, 1.0, _request, drain_s=0.0)  # leaves requests running and waiting
     assert wait_for(lambda: gauges_idle(daemon.address), 5.0)
@@ -118,7 +117,8 @@ class _Request:
 def test_the_scheduler_keeps_no_request_that_left_it():
     """Found by the soak: stale entries of the eviction heap kept every admitted request alive (RSS grew)."""
     sched = Scheduler(SchedulerPolicy(queue_size=QUEUE_SIZE, max_concurrency=SLOTS))
-    sched.workers = [WorkerBudget(0, max_num_seqs=SLOTS, max_model_len=512, kv_cache_tokens=10**6, ready=True)]
+    capacity = P.WorkerCapacity(max_num_seqs=SLOTS, max_model_len=512, kv_cache_tokens=10**6, block_size=0)
+    sched.workers = [WorkerBudget(0, capacity, ready=True)]
     gone = []
     for i in range(10_000):
         req = _Request(arrival=i * 0.001)

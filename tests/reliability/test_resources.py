@@ -13,12 +13,14 @@ import uuid
 import psutil
 import pytest
 
-from ringstream.daemon.worker_pool import open_files_needed
+from ringstream.daemon.front.worker_pool import open_files_needed
 from ringstream.ipc.client import Client
-from ringstream.tools.daemon_process import serve_command
+from ringstream.daemon.launcher import serve_command
 from tests.daemon_helpers import running_daemon, wait_exit
 from tests.reliability.helpers import write_config
 from ringstream.tools.soak import wait_for
+
+pytestmark = pytest.mark.e2e
 
 START_FAILURE_S = 60.0
 CYCLES = 20

@@ -20,6 +20,8 @@ from tests.daemon_helpers import running_daemon
 from tests.reliability.helpers import status, write_config
 from ringstream.tools.soak import check_synthetic_stream, gauges_idle, run_streams, wait_for
 
+pytestmark = pytest.mark.e2e
+
 STEP_MS = 5.0
 STALL_S = 1.0
 START_TIMEOUT_S = 8.0
@@ -29,12 +31,11 @@ SYNTHETIC = f'engine = "synthetic"\nsynthetic_step_ms = {STEP_MS}\ndevices = "cp
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
+def daemon(start_module_daemon, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("workers")
     config = write_config(tmp, SYNTHETIC + f"worker_stall_timeout_s = {STALL_S}\nworker_heartbeat_s = 0.2\n"
                                            f"worker_start_timeout_s = {START_TIMEOUT_S}\n")
-    with running_daemon(tmp, "--config", config) as d:
-        yield d
+    return start_module_daemon("--config", config, runtime_dir=tmp)
 
 
 def _busy_worker_pid(address: str, exclude: set[int]) -> int:

@@ -10,9 +10,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from ringstream.daemon.config import Config, load_config
-from ringstream.daemon.core import ABORT_GRACE_S
-from ringstream.daemon.worker_pool import JOIN_GRACE_S
+from ringstream.daemon.common.config import Config, load_config
+from ringstream.daemon.front.core import ABORT_GRACE_S
+from ringstream.daemon.common.supervision import JOIN_GRACE_S
 
 SYSTEMD_DIR = Path(__file__).resolve().parents[2] / "systemd"
 UNIT = SYSTEMD_DIR / "ringstream.service"
@@ -78,6 +78,7 @@ def systemd_tool(name: str) -> str:
 
 # ---------------------------------------------------------------- systemd's own checks
 
+@pytest.mark.e2e
 def test_unit_passes_systemd_analyze_verify(tmp_path):
     """No unknown key, bad value or missing executable (ExecStart runs /usr/bin/env, present everywhere)."""
     analyze = systemd_tool("systemd-analyze")
@@ -90,6 +91,7 @@ def test_unit_passes_systemd_analyze_verify(tmp_path):
     assert about_unit == []
 
 
+@pytest.mark.e2e
 def test_security_exposure_stays_low(tmp_path):
     analyze = systemd_tool("systemd-analyze")
     copy = tmp_path / UNIT.name
@@ -103,6 +105,7 @@ def test_security_exposure_stays_low(tmp_path):
     assert float(match.group(1)) <= MAX_EXPOSURE, result.stdout
 
 
+@pytest.mark.e2e
 def test_sysusers_entry_creates_the_service_user(tmp_path, service):
     sysusers = systemd_tool("systemd-sysusers")
     (tmp_path / "etc").mkdir()
@@ -118,6 +121,7 @@ def test_sysusers_entry_creates_the_service_user(tmp_path, service):
     assert user[6].endswith("nologin")
 
 
+@pytest.mark.e2e
 def test_tmpfiles_entry_creates_the_configuration_directory(tmp_path, service):
     tmpfiles = systemd_tool("systemd-tmpfiles")
     subprocess.run([tmpfiles, f"--root={tmp_path}", "--create", str(TMPFILES)], check=True, capture_output=True,

@@ -204,11 +204,13 @@ def test_toml_values():
 # ------------------------------------------------------------------ serving layer
 
 
+@pytest.mark.e2e
 def test_zmq_ceiling_counts_every_message():
     result = zmq_ceiling(2_000)
     assert result["messages"] == 2_000 and result["msg_s"] > 0 and result["message_bytes"] < 64
 
 
+@pytest.mark.e2e
 def test_serve_has_the_synthetic_engine_flags():
     reason = synthetic_engine_support()
     if reason is not None:
@@ -233,6 +235,7 @@ def test_run_rejects_a_bad_distribution(capsys):
 # ------------------------------------------------------------------ end to end
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(SMOKE_TIMEOUT_S)
 def test_compare_smoke_produces_every_key(tmp_path, capsys):
     """The compare code path on tiny settings: every part runs and every JSON key is there."""
@@ -266,6 +269,7 @@ def test_compare_smoke_produces_every_key(tmp_path, capsys):
     assert "daemon / engine" in printed and "zmq" in printed
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(SMOKE_TIMEOUT_S)
 def test_compare_serves_a_model_config_everywhere_with_the_roofline(tmp_path, capsys):
     """A shrunk published shape reaches every system (the daemon too: no request is refused) and the roofline row."""

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from ringstream.tools.bench_http import measure
+
+pytestmark = pytest.mark.e2e
 
 
 def test_both_paths_are_measured_and_only_http_costs_the_http_child():

@@ -9,7 +9,10 @@ import psutil
 import pytest
 
 from ringstream.ipc.client import Client
-from ringstream.tools.daemon_process import DaemonProcess, DaemonStartError, wait_exit
+from ringstream.daemon.launcher import DaemonProcess, DaemonStartError, wait_exit
+from tests.daemon_helpers import DaemonFactory
+
+pytestmark = pytest.mark.e2e
 
 SYNTHETIC = ("--engine", "synthetic")
 
@@ -54,3 +57,16 @@ def test_a_daemon_that_does_not_stop_is_killed_past_the_deadline(tmp_path):
     assert not daemon.segments()
     with pytest.raises(psutil.NoSuchProcess):
         psutil.Process(daemon.pid).status()
+
+
+def test_the_tests_daemon_factory_writes_settings_and_stops_every_daemon_it_started(tmp_path_factory):
+    factory = DaemonFactory(lambda: tmp_path_factory.mktemp("factory"))
+    first = factory(*SYNTHETIC, "--devices", "cpu", max_concurrency=3, engine="synthetic")
+    second = factory(*SYNTHETIC, "--devices", "cpu")
+    assert first.config_path.read_text() == 'max_concurrency = 3\nengine = "synthetic"\n'
+    assert second.config_path is None and first.runtime_dir != second.runtime_dir
+    with pytest.raises(DaemonStartError, match="before it was ready"):
+        factory(*SYNTHETIC, "--devices", "cpu", no_such_setting=1)
+    factory.close()
+    for daemon in (first, second):
+        assert daemon.proc.returncode == 0 and daemon.leftovers.clean, daemon.leftovers

@@ -6,6 +6,10 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.e2e
+
 SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "gpu_check.sh"
 BUDGET_S = 8 * 60
 STEPS = ["install", "env", "cuda-tests", "compare-llama-3.2-1b", "write-llama-3.1-8b", "compare-llama-3.1-8b-b64",

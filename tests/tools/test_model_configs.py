@@ -7,8 +7,9 @@ import json
 import pytest
 import torch
 
-from ringstream.daemon.engine import Engine, EngineRequest, SamplingParams
-from ringstream.daemon.model import load_model, load_tokenizer, resolve_model_dir
+from ringstream.daemon.engine.engine import Engine, EngineRequest, SamplingParams, EngineConfig
+from ringstream.daemon.common.model_dir import load_tokenizer, resolve_model_dir
+from ringstream.daemon.engine.loader import load_model
 from ringstream.tools import model_configs
 
 # Parameter counts of the published checkpoints (tied embeddings counted once).
@@ -74,7 +75,7 @@ def test_tiny_variant_loads_through_the_daemon_and_serves_generate_tokens(tmp_pa
             out_ids = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                      max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
             expected.append(out_ids[0, len(prompt):].tolist())
-    engine = Engine(model, tokenizer, max_num_seqs=4, max_model_len=64, kv_cache_bytes=1 << 22)
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=4, max_model_len=64, kv_cache_bytes=1 << 22))
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     requests = [EngineRequest(i, prompt, params) for i, prompt in enumerate(prompts)]
     for request in requests:

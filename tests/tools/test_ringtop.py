@@ -37,7 +37,6 @@ from ringstream.ipc.ring import (
     RingObserver,
     RingProducer,
 )
-from tests.daemon_helpers import running_daemon
 from ringstream.tools import ringtop
 from ringstream.tools.ringtop_keys import KEYS_HELP, VIEW_RINGS, VIEW_SERVING, handle_keys
 from ringstream.tools.ringtop_serving import StatusPoller, render_serving
@@ -168,6 +167,7 @@ def test_discover_lists_only_the_instance_workers(
         ringtop.discover("../etc")
 
 
+@pytest.mark.e2e
 def test_once_json_reports_header_positions_requests_and_finishes(
     instance: str, make_ring: Callable[..., tuple[RingConsumer, RingProducer]]
 ) -> None:
@@ -210,6 +210,7 @@ def test_once_json_reports_header_positions_requests_and_finishes(
     assert (ring["records_per_s"], ring["bytes_per_s"]) == (0.0, 0.0), "nothing new was written"
 
 
+@pytest.mark.e2e
 def test_once_text_summary(
     instance: str, make_ring: Callable[..., tuple[RingConsumer, RingProducer]]
 ) -> None:
@@ -225,6 +226,7 @@ def test_once_text_summary(
     assert "finished: stop 1; errors: none" in out
 
 
+@pytest.mark.e2e
 def test_dump_decodes_the_last_records(
     instance: str, make_ring: Callable[..., tuple[RingConsumer, RingProducer]]
 ) -> None:
@@ -257,6 +259,7 @@ def test_dump_decodes_the_last_records(
     assert ring["recent"][4]["message"] == "worker broke"
 
 
+@pytest.mark.e2e
 def test_instance_without_rings_exits_1(instance: str) -> None:
     result = run_cli("--instance", instance, "--once", "--json", "--interval", SAMPLE_S)
     assert result.returncode == 1
@@ -265,6 +268,7 @@ def test_instance_without_rings_exits_1(instance: str) -> None:
     assert "is the daemon running?" in result.stderr
 
 
+@pytest.mark.e2e
 def test_usage_errors_exit_2() -> None:
     assert run_cli("--instance", "a/b", "--once").returncode == 2
     assert run_cli("--interval", "0").returncode == 2
@@ -347,6 +351,7 @@ def test_undecodable_finish_falls_back_to_flags() -> None:
     assert broken_error["code"] == "unknown"
 
 
+@pytest.mark.e2e
 def test_import_needs_neither_daemon_nor_torch() -> None:
     probe = (
         "import sys, tools.ringtop; "
@@ -431,6 +436,7 @@ def live_terminal(
         os.close(master)
 
 
+@pytest.mark.e2e
 def test_live_view_until_ctrl_c(
     instance: str, make_ring: Callable[..., tuple[RingConsumer, RingProducer]]
 ) -> None:
@@ -454,9 +460,8 @@ def test_live_view_until_ctrl_c(
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory):
-    with running_daemon(tmp_path_factory.mktemp("ringtop")) as running:
-        yield running
+def daemon(start_module_daemon):
+    return start_module_daemon()
 
 
 @contextmanager
@@ -495,6 +500,7 @@ def streaming(
         assert not thread.is_alive(), "the stream did not end"
 
 
+@pytest.mark.e2e
 def test_reports_a_running_daemon(daemon) -> None:
     names = [name for _index, name in ringtop.discover(daemon.instance)]
     assert [os.path.join(SHM_DIR, name) for name in names] == sorted(daemon.segments())
@@ -520,6 +526,7 @@ def test_reports_a_running_daemon(daemon) -> None:
     assert not isinstance(chunks, Exception), chunks
 
 
+@pytest.mark.e2e
 def test_sigkill_of_ringtop_leaves_the_daemon_serving(daemon) -> None:
     """ringtop is killed while it follows the ring, as the first chunk of a
     stream arrives: the stream still completes and the daemon serves the
@@ -565,12 +572,9 @@ LEAVE_ALTERNATE_SCREEN = "\x1b[?1049l"
 
 
 @pytest.fixture(scope="module")
-def synthetic_daemon(tmp_path_factory: pytest.TempPathFactory):
-    with running_daemon(
-        tmp_path_factory.mktemp("serving"), "--engine", "synthetic", "--devices", "cpu",
-        "--synthetic-step-ms", SERVING_STEP_MS, "--max-concurrency", str(SERVING_CONCURRENCY),
-    ) as running:
-        yield running
+def synthetic_daemon(start_module_daemon):
+    return start_module_daemon("--engine", "synthetic", "--devices", "cpu", "--synthetic-step-ms", SERVING_STEP_MS,
+                               "--max-concurrency", str(SERVING_CONCURRENCY))
 
 
 @contextmanager
@@ -608,6 +612,7 @@ def rendered(reply: P.StatusReply, width: int, height: int | None = None) -> lis
     return console.export_text().splitlines()
 
 
+@pytest.mark.e2e
 def test_serving_view_of_a_synthetic_daemon_fits_80_columns(synthetic_daemon) -> None:
     poller = StatusPoller(synthetic_daemon.address)
     with busy(synthetic_daemon.address):
@@ -649,6 +654,7 @@ def test_serving_view_of_a_synthetic_daemon_fits_80_columns(synthetic_daemon) ->
     assert document["model"] == reply.model and len(document["requests"]) == SERVING_STREAMS
 
 
+@pytest.mark.e2e
 def test_serving_view_without_a_daemon() -> None:
     lines = rendered(None, SERVING_COLUMNS)
     assert any("waiting for the daemon" in line for line in lines)
@@ -666,6 +672,7 @@ def test_keys_quit_and_switch_views() -> None:
     assert handle_keys(VIEW_SERVING, "rsq") is None
 
 
+@pytest.mark.e2e
 def test_live_serving_view_quits_on_q_and_restores_the_terminal(synthetic_daemon) -> None:
     args = ("--instance", synthetic_daemon.instance, "--socket", synthetic_daemon.address)
     with busy(synthetic_daemon.address):

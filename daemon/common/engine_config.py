@@ -1,0 +1,85 @@
+"""One worker's engine settings, declared once: built from the daemon's Config by the front, carried whole in the
+worker spec, taken whole by the engine (nano-vllm's ``Config``, vLLM's ``VllmConfig``). No torch.
+
+It lives here rather than in the engine package because the front builds it and the front never imports the
+engine; :mod:`ringstream.daemon.engine.interface` re-exports it as the engine's interface type.
+
+Adding an engine setting is a two-place edit: a field here (with its default and check) and the same-named field
+of :class:`ringstream.daemon.common.config.Config` (with its user-facing docstring), whose default is read from
+:data:`ENGINE_DEFAULTS`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+__all__ = ["ENGINE_DEFAULTS", "EngineConfig", "MAX_BLOCK_SIZE"]
+
+MAX_BLOCK_SIZE = 1024
+"""Largest ``block_size``, tokens."""
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The settings of one worker's engine. :meth:`check` raises ValueError naming the bad value."""
+
+    backend: Literal["hf", "synthetic"] = "hf"
+    """``hf``: paged continuous batching over a transformers model; ``synthetic``: tokens at a fixed step time."""
+    device: str = "cpu"
+    """torch device string of the worker: ``cpu``, ``cuda:0``, ..."""
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    """Weights and activations dtype (resolved: never ``auto`` here)."""
+    threads: int = 0
+    """torch intra-op threads of a CPU worker; 0 = leave torch's default."""
+    max_num_seqs: int = 64
+    """Most sequences running at once (batch rows)."""
+    max_model_len: int | None = None
+    """Most tokens (prompt + output) per sequence; None = the model's context."""
+    max_num_batched_tokens: int = 2048
+    """Most new tokens one step computes (decodes first, then prompt chunks)."""
+    block_size: int = 16
+    """Token positions per KV-cache block."""
+    num_blocks: int | None = None
+    """KV-cache blocks (the null block included); None = from ``kv_cache_bytes`` or ``memory_utilization``."""
+    kv_cache_bytes: int | None = None
+    """KV pool size in bytes; None = from ``memory_utilization``."""
+    memory_utilization: float = 0.85
+    """Fraction of the memory left after the weights and a profiling forward that the KV pool may take."""
+    enable_prefix_caching: bool = True
+    """Share and keep KV blocks by their prefix key (chained block hashes, LRU eviction)."""
+    seed: int = 0
+    """Seed of the sampling generator for requests that give none."""
+    synthetic_step_s: float = 0.001
+    """Step time of the synthetic backend, seconds."""
+
+    def check(self) -> "EngineConfig":
+        """Validate every field; returns self. Raises ValueError naming the bad value."""
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} = {getattr(self, name)}: must be >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens = {self.max_num_batched_tokens}: must be >= max_num_seqs "
+                             f"({self.max_num_seqs}), each running request needs its token every step")
+        if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size = {self.block_size}: must be in [1, {MAX_BLOCK_SIZE}] tokens")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len = {self.max_model_len}: must be >= 2 tokens (or unset)")
+        if not 0 < self.memory_utilization <= 1:
+            raise ValueError(f"memory_utilization = {self.memory_utilization}: must be in (0, 1]")
+        if self.threads < 0:
+            raise ValueError(f"threads = {self.threads}: must be >= 0")
+        if not self.synthetic_step_s >= 0:
+            raise ValueError(f"synthetic_step_s = {self.synthetic_step_s}: must be >= 0 seconds")
+        return self
+
+    @classmethod
+    def from_settings(cls, settings: object, **resolved) -> "EngineConfig":
+        """The engine config of a daemon config: every field of this struct that ``settings`` has, by name, with
+        ``resolved`` (the per-worker values: ``device``, ``dtype``, ``threads``, ...) taking precedence."""
+        values = {name: getattr(settings, name) for name in cls.__struct_fields__ if hasattr(settings, name)}
+        return cls(**(values | resolved))
+
+
+ENGINE_DEFAULTS = EngineConfig()
+"""The defaults, read by the daemon's Config for its engine fields."""

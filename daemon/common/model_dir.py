@@ -1,0 +1,174 @@
+"""Model and tokenizer loading shared by the daemon's processes.
+
+A model directory is a standard Hugging Face directory with ``config.json`` and
+a fast-tokenizer ``tokenizer.json`` (``generation_config.json`` is optional).
+:func:`resolve_model_dir` validates such a directory and reads the facts every
+process needs (context length, end-of-sequence ids, ...) into a
+:class:`ModelInfo`.  :func:`load_tokenizer` gives the ``tokenizers`` tokenizer
+used for encoding and incremental decoding. No torch, no transformers: the
+engine's :mod:`ringstream.daemon.engine.loader` loads the weights.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+DEFAULT_MODEL_DIR: Path = Path(__file__).parent.parent / "default_model"
+
+CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+# config.json keys holding the context length, in order of preference.
+MAX_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")
+SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+
+
+class ModelError(Exception):
+    """A model directory is missing, incomplete, malformed or fails to load."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Facts about a validated model directory.
+
+    Attributes:
+        path: absolute path of the model directory.
+        max_model_len: context length in tokens (prompt plus generated).
+        eos_token_ids: token ids that end generation; never empty.
+        bos_token_id: beginning-of-sequence id, or ``None`` when the model has none.
+        vocab_size: number of rows of the embedding matrix.
+        model_type: the ``model_type`` of ``config.json`` (e.g. ``"llama"``).
+    """
+
+    path: Path
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    vocab_size: int
+    model_type: str
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelError(f"cannot read {path}: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelError(f"{path} must hold a JSON object, not {type(data).__name__}")
+    return data
+
+
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """Return the language-model part of a config (nested for multimodal models)."""
+    nested = config.get("text_config")
+    return nested if isinstance(nested, dict) else config
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_positive_int(value: Any) -> bool:
+    return _is_token_id(value) and value > 0
+
+
+def _eos_ids(value: Any, source: Path) -> tuple[int, ...]:
+    ids = [value] if not isinstance(value, list) else value
+    if not all(_is_token_id(i) for i in ids):
+        raise ModelError(
+            f"{source}: eos_token_id must be a token id or a list of them, got {value!r}"
+        )
+    return tuple(dict.fromkeys(ids))
+
+
+def resolve_model_dir(path: str | Path | None) -> ModelInfo:
+    """Validate a model directory and read its :class:`ModelInfo`.
+
+    Args:
+        path: model directory; ``None`` selects :data:`DEFAULT_MODEL_DIR`.
+
+    Returns:
+        The directory's :class:`ModelInfo`, with ``path`` made absolute.
+
+    Raises:
+        ModelError: the directory does not exist, lacks ``config.json`` or
+            ``tokenizer.json``, holds malformed JSON, or its config has no
+            context length, vocabulary size or end-of-sequence id.
+    """
+    root = Path(DEFAULT_MODEL_DIR if path is None else path).expanduser().resolve()
+    if not root.is_dir():
+        raise ModelError(f"model directory {root} does not exist or is not a directory")
+    config_path = root / CONFIG_FILE
+    if not config_path.is_file():
+        raise ModelError(f"model directory {root} has no {CONFIG_FILE}")
+    if not (root / TOKENIZER_FILE).is_file():
+        raise ModelError(
+            f"model directory {root} has no {TOKENIZER_FILE}; "
+            "ringstream needs a fast (tokenizers) tokenizer"
+        )
+
+    config = _text_config(_read_json(config_path))
+    max_len = next((config[k] for k in MAX_LENGTH_KEYS if k in config), None)
+    if not _is_positive_int(max_len):
+        raise ModelError(
+            f"{config_path} gives no positive context length "
+            f"(looked for {', '.join(MAX_LENGTH_KEYS)}, got {max_len!r})"
+        )
+    vocab_size = config.get("vocab_size")
+    if not _is_positive_int(vocab_size):
+        raise ModelError(f"{config_path} gives no positive vocab_size (got {vocab_size!r})")
+
+    generation_path = root / GENERATION_CONFIG_FILE
+    generation = _read_json(generation_path) if generation_path.is_file() else {}
+    if generation.get("eos_token_id") is not None:
+        eos_source, eos_value = generation_path, generation["eos_token_id"]
+    else:
+        eos_source, eos_value = config_path, config.get("eos_token_id")
+    if eos_value is None:
+        raise ModelError(f"model directory {root} defines no eos_token_id")
+    eos_token_ids = _eos_ids(eos_value, eos_source)
+    if not eos_token_ids:
+        raise ModelError(f"{eos_source}: eos_token_id is an empty list")
+
+    bos = generation.get("bos_token_id")
+    if bos is None:
+        bos = config.get("bos_token_id")
+    if bos is not None and not _is_token_id(bos):
+        raise ModelError(f"model directory {root}: bos_token_id must be a token id, got {bos!r}")
+
+    return ModelInfo(
+        path=root,
+        max_model_len=max_len,
+        eos_token_ids=eos_token_ids,
+        bos_token_id=bos,
+        vocab_size=vocab_size,
+        model_type=str(config.get("model_type", "")),
+    )
+
+
+def load_tokenizer(info: ModelInfo) -> Tokenizer:
+    """Load the fast tokenizer of a resolved model directory.
+
+    Args:
+        info: from :func:`resolve_model_dir`.
+
+    Returns:
+        The ``tokenizers.Tokenizer`` of ``info.path / "tokenizer.json"``; its
+        ``encode`` applies the model's post-processor (e.g. a leading BOS).
+
+    Raises:
+        ModelError: the file cannot be read or parsed.
+    """
+    path = info.path / TOKENIZER_FILE
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises plain Exception subclasses
+        raise ModelError(f"cannot load tokenizer {path}: {exc}") from exc

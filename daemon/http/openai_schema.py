@@ -1,0 +1,440 @@
+"""The OpenAI-compatible HTTP API's bodies: msgspec Structs of requests and responses, and their errors.
+
+Requests (``POST /v1/completions``, ``POST /v1/chat/completions``) decode
+with :func:`decode_request` into :class:`CompletionRequest` or
+:class:`ChatCompletionRequest`; a body that is not JSON, has a wrong type or
+an out-of-range value raises :class:`ApiError` 400 naming the parameter.
+Unknown fields are ignored, as OpenAI clients send fields of newer API
+versions. :func:`generate_params` turns a request into the keyword
+arguments of :meth:`ringstream.ipc.client.AsyncClient.generate`: the
+sampling fields, the penalties (``presence_penalty``, ``frequency_penalty``,
+and vLLM's ``repetition_penalty``, ``min_p``, ``min_tokens``), completions'
+``logprobs`` (an int; with ``echo`` the prompt's too) and chat's
+``logprobs`` / ``top_logprobs``. Fields the daemon cannot honour
+(``suffix``, ``logit_bias``, ``best_of`` above ``n``, tools) are refused
+with 400 rather than silently ignored.
+
+Responses are Structs encoded with :data:`JSON_ENCODER`; ``logprobs`` is
+``null`` unless asked (:mod:`ringstream.daemon.http.logprobs` builds it). The error body is OpenAI's ``{"error": {"message", "type",
+"param", "code"}}`` (:meth:`ApiError.body`); :func:`api_error_from` maps the
+client library's typed exceptions onto HTTP statuses.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Union
+
+import msgspec
+from msgspec import Meta, Struct
+
+from ringstream.ipc import protocol as P
+from ringstream.ipc.errors import (
+    DaemonUnavailable, InvalidRequest, PromptTooLong, QueueFull, QueueTimeout, RingstreamError, ShuttingDown,
+    UnknownRequest,
+)
+
+MAX_CHOICES = 128
+"""Most choices one request may ask for (prompts x ``n``, so also the most of each): each is a request to
+the daemon."""
+MAX_MESSAGES = 4096
+"""Most messages of one chat request (the template renders on the event loop)."""
+RETRY_AFTER_S = 1
+"""``Retry-After`` of a 503 answer, seconds."""
+
+JSON_ENCODER = msgspec.json.Encoder()
+
+TokenId = Annotated[int, Meta(ge=0, le=P.MAX_TOKEN_ID)]
+StopStrings = Union[
+    Annotated[str, Meta(min_length=1, max_length=P.MAX_STOP_CHARS)],
+    Annotated[list[Annotated[str, Meta(min_length=1, max_length=P.MAX_STOP_CHARS)]],
+              Meta(max_length=P.MAX_STOP_STRINGS)],
+]
+PromptItem = Union[str, TokenId, list[TokenId]]
+
+
+class ApiError(Exception):
+    """An HTTP error answered with OpenAI's error body.
+
+    Args:
+        status: the HTTP status (400, 401, 404, 413, 500, 503...).
+        message: what went wrong, for a person.
+        type: OpenAI's error type (``invalid_request_error``, ``authentication_error``, ``server_error``...).
+        param: the request parameter at fault, or None.
+        code: a machine-readable code (``model_not_found``, the daemon's error code...), or None.
+        retry_after_s: set the ``Retry-After`` header (seconds).
+    """
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict:
+        """``{"error": {"message", "type", "param", "code"}}``."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param, code)
+
+
+def unavailable(message: str, code: str | None = None) -> ApiError:
+    return ApiError(503, message, "service_unavailable", None, code, retry_after_s=RETRY_AFTER_S)
+
+
+_RETRYABLE = (QueueFull, QueueTimeout, ShuttingDown, UnknownRequest)
+"""Refusals that a later try may not get: the daemon is full, stopping, or restarted under the request."""
+
+
+def api_error_from(exc: RingstreamError) -> ApiError:
+    """The HTTP error of a client-library exception: 400 for a bad request, 503 (with ``Retry-After``) when
+    the daemon is full, stopping or unreachable, 500 for the rest (``WORKER_FAILED``, ``INTERNAL``...)."""
+    if isinstance(exc, PromptTooLong):
+        return bad_request(str(exc), "prompt", "context_length_exceeded")
+    if isinstance(exc, InvalidRequest):
+        return bad_request(str(exc), _param_named(str(exc)), str(exc.code))
+    if isinstance(exc, _RETRYABLE):
+        return unavailable(str(exc), str(exc.code))
+    if isinstance(exc, DaemonUnavailable):
+        return unavailable(f"the inference daemon is unavailable: {exc}", "daemon_unavailable")
+    code = getattr(exc, "code", None)
+    return ApiError(500, str(exc), "server_error", None, None if code is None else str(code))
+
+
+_PARAM_IN_MESSAGE = re.compile(r"\b([a-z][a-z_]+)\b")
+
+
+def _param_named(message: str) -> str | None:
+    """The request field a daemon's INVALID_REQUEST message is about: the first word of it that names a field
+    of the OpenAI request (``min_tokens (5) must be <= ...``, ``empty prompt``, ``at `sampling.max_tokens` ``);
+    else None."""
+    for name in _PARAM_IN_MESSAGE.findall(message):
+        if name in _REQUEST_FIELDS:
+            return name
+    return None
+
+
+# --------------------------------------------------------------------------
+# requests
+
+
+class StreamOptions(Struct, forbid_unknown_fields=False):
+    include_usage: bool = False
+
+
+class _Sampling(Struct, forbid_unknown_fields=False, kw_only=True):
+    """The fields completions and chat completions share (OpenAI's, then vLLM's extensions)."""
+
+    model: str | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=P.MAX_TEMPERATURE)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: StopStrings | None = None
+    seed: Annotated[int, Meta(ge=0, le=P.MAX_SEED)] | None = None
+    user: str | None = None
+    presence_penalty: Annotated[float, Meta(ge=-P.MAX_PENALTY, le=P.MAX_PENALTY)] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-P.MAX_PENALTY, le=P.MAX_PENALTY)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=P.MAX_REPETITION_PENALTY)] | None = None
+    """vLLM's: 1 switches it off."""
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    min_tokens: Annotated[int, Meta(ge=0, le=P.MAX_TOKENS_LIMIT)] | None = None
+    logit_bias: dict[str, float] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=P.MAX_TOKEN_ID)] | None = None
+    """vLLM's: 0 or -1 switch it off."""
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=P.MAX_STOP_TOKEN_IDS)] | None = None
+    ignore_eos: bool | None = None
+    priority: Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)] | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    """``POST /v1/completions``: ``prompt`` is a string, a list of strings, a list of token ids, or a list
+    of lists of token ids (one choice set per prompt)."""
+
+    prompt: Union[str, list[PromptItem]]
+    max_tokens: Annotated[int, Meta(ge=1, le=P.MAX_TOKENS_LIMIT)] | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=P.MAX_LOGPROBS)] | None = None
+    """Top logprobs per token (0: the sampled token's only)."""
+    echo: bool | None = None
+    """Prepend the prompt to the text (and, with ``logprobs``, its tokens' logprobs, the first null)."""
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ContentPart(Struct, forbid_unknown_fields=False):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Struct, forbid_unknown_fields=False):
+    """One message: ``content`` is a string, null, or a list of ``{"type": "text", "text": ...}`` parts."""
+
+    role: str
+    content: Union[str, list[ContentPart], None] = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=MAX_MESSAGES)]
+    max_tokens: Annotated[int, Meta(ge=1, le=P.MAX_TOKENS_LIMIT)] | None = None
+    max_completion_tokens: Annotated[int, Meta(ge=1, le=P.MAX_TOKENS_LIMIT)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=P.MAX_LOGPROBS)] | None = None
+    add_generation_prompt: bool = True
+    """vLLM's: end the rendered prompt with the assistant's turn header."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    response_format: Any = None
+
+
+_REQUEST_FIELDS = (frozenset(CompletionRequest.__struct_fields__) | frozenset(ChatCompletionRequest.__struct_fields__)) \
+    - {"model", "user"}
+"""The names a request may carry that a daemon's refusal can be about, for naming its ``param``."""
+
+
+_PARAM_AT = re.compile(r"at `\$\.([A-Za-z_]+)")
+_MISSING = re.compile(r"missing required field `([A-Za-z_]+)`")
+
+
+def decode_request(body: bytes, kind: type[_Sampling]) -> _Sampling:
+    """Decode a JSON request body into ``kind``; ApiError 400 naming the parameter at fault (also for JSON
+    nested deeper than the interpreter's recursion limit, which msgspec's decoder enforces)."""
+    try:
+        request = msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        match = _PARAM_AT.search(text) or _MISSING.search(text)
+        raise bad_request(f"invalid request: {text}", match.group(1) if match else None) from None
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad_request("the body's JSON is nested too deeply") from None
+    _refuse_unsupported(request)
+    return request
+
+
+def _refuse_unsupported(req: _Sampling) -> None:
+    """ApiError 400 for a parameter the daemon cannot honour (never ignored silently)."""
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if isinstance(req, CompletionRequest):
+        if req.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if req.best_of is not None and req.best_of != (req.n or 1):
+            raise bad_request("best_of other than n is not supported", "best_of")
+    elif isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        if req.tools or req.tool_choice not in (None, "none"):
+            raise bad_request("tools are not supported", "tools")
+        rf = req.response_format
+        if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+            raise bad_request("response_format other than text is not supported", "response_format")
+
+
+Prompt = Union[str, list[int]]
+
+
+def completion_prompts(req: CompletionRequest) -> list[Prompt]:
+    """The prompts of a completion request: each a string or a list of token ids.
+
+    Raises ApiError 400 for an empty prompt list, a list mixing strings, ids
+    and id lists, an empty token list, or more than :data:`MAX_CHOICES` choices.
+    """
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        prompts: list[Prompt] = [prompt]
+    elif not prompt:
+        raise bad_request("prompt must not be an empty list", "prompt")
+    elif all(isinstance(p, int) for p in prompt):
+        prompts = [prompt]
+    elif all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of lists "
+                          "of token ids, not a mix", "prompt")
+    if any(isinstance(p, list) and not p for p in prompts):
+        raise bad_request("a token id prompt must not be empty", "prompt")
+    n = req.n or 1
+    if len(prompts) * n > MAX_CHOICES:
+        raise bad_request(f"{len(prompts)} prompts x n={n} = {len(prompts) * n} choices; at most {MAX_CHOICES}",
+                          "n" if n > 1 else "prompt")
+    return prompts
+
+
+def generate_params(req: _Sampling, max_tokens: int | None, stream: bool) -> dict:
+    """Keyword arguments of ``AsyncClient.generate`` (besides the prompt) for one choice of ``req``.
+
+    ``max_tokens`` None keeps the daemon's default; ``stream=False`` asks the
+    daemon for the text in one terminal chunk.
+    """
+    params: dict[str, Any] = {"stream": stream}
+    if max_tokens is not None:
+        params["max_tokens"] = max_tokens
+    if req.temperature is not None:
+        params["temperature"] = req.temperature
+    if req.top_p is not None:
+        params["top_p"] = req.top_p
+    if req.top_k is not None and req.top_k > 0:
+        params["top_k"] = req.top_k
+    if req.seed is not None:
+        params["seed"] = req.seed
+    if req.stop:
+        params["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    if req.stop_token_ids:
+        params["stop_token_ids"] = list(req.stop_token_ids)
+    if req.ignore_eos:
+        params["ignore_eos"] = True
+    if req.priority is not None:
+        params["priority"] = req.priority
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens"):
+        value = getattr(req, name)
+        if value is not None:
+            params[name] = value
+    if isinstance(req, CompletionRequest) and req.logprobs is not None:
+        params["logprobs"] = req.logprobs
+        if req.echo:
+            params["prompt_logprobs"] = req.logprobs
+    elif isinstance(req, ChatCompletionRequest) and req.logprobs:
+        params["logprobs"] = req.top_logprobs or 0
+    return params
+
+
+FINISH_REASONS: dict[str, str] = {
+    "stop": "stop", "length": "length", "cancelled": "abort", "timeout": "timeout", "shutdown": "abort",
+    "error": "error",
+}
+"""The daemon's finish reasons as the API reports them: ``stop`` and ``length`` are OpenAI's; a cancelled
+request or one ended by the daemon's shutdown is ``abort`` (as vLLM names it), the daemon's ``timeout_s``
+deadline ``timeout``."""
+
+
+def finish_reason(reason: str | None) -> str | None:
+    return None if reason is None else FINISH_REASONS.get(str(reason), str(reason))
+
+
+# --------------------------------------------------------------------------
+# responses
+
+
+class UsageBody(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(Struct):
+    """A completion choice's ``logprobs``: per token its string, logprob, top ``{string: logprob}`` and its
+    offset in the choice's text (the echoed prompt's first token has null logprob and top)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    """A chat choice's (or chunk's) ``logprobs``: one entry per generated token."""
+
+    content: list[ChatTokenLogprob]
+    refusal: None = None
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: CompletionLogprobs | None = None
+
+
+class CompletionBody(Struct):
+    """A ``text_completion`` (whole, or one SSE chunk of a stream with ``usage`` None)."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    object: Literal["text_completion"] = "text_completion"
+    usage: UsageBody | None = None
+
+
+class AssistantMessage(Struct):
+    content: str
+    role: Literal["assistant"] = "assistant"
+
+
+class ChatChoice(Struct):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionBody(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageBody
+    object: Literal["chat.completion"] = "chat.completion"
+
+
+class Delta(Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: Delta
+    finish_reason: str | None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatChunkBody(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    usage: UsageBody | None = None
+
+
+class ModelCard(Struct):
+    id: str
+    created: int
+    owned_by: str = "ringstream"
+    object: Literal["model"] = "model"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: Literal["list"] = "list"

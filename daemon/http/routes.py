@@ -1,0 +1,372 @@
+"""The OpenAI-compatible API's aiohttp application: endpoints, errors and authentication over one daemon client.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``,
+``GET /v1/models`` (and ``/v1/models/{name}``), ``GET /health``, ``GET /metrics``
+(the daemon's Prometheus exposition, fetched over its socket per scrape). Requests
+reach the daemon through one shared :class:`~ringstream.ipc.client.AsyncClient`,
+so they are scheduled like any other client's (``priority`` is an extension
+field). Every error is answered with OpenAI's error body. The server process
+around it is :mod:`ringstream.daemon.http.server`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Awaitable, Callable
+
+from aiohttp import web
+
+from ringstream.daemon.http import generation as G
+from ringstream.daemon.http import logprobs as L
+from ringstream.daemon.http import openai_schema as S
+from ringstream.daemon.common.chat_template import ChatTemplate, ChatTemplateError, render_chat_prompt
+from ringstream.daemon.http.options import BODY_TIMEOUT_S, MAX_BODY_BYTES, WRITE_TIMEOUT_S
+from ringstream.ipc import protocol as P
+from ringstream.ipc.client import AsyncClient
+from ringstream.ipc.errors import InvalidRequest, RingstreamError
+
+log = logging.getLogger("ringstream.http")
+
+"""Largest request body, bytes; a larger one gets 413."""
+STATUS_TIMEOUT_S = 2.0
+"""How long ``/health`` and the model lookup wait for the daemon's status, seconds."""
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+"""Prometheus' text exposition format."""
+OPEN_PATHS = ("/health", "/metrics")
+"""Paths served without the API key (health checkers and scrapers)."""
+LONG_PROMPT_CHARS = 8192
+"""A rendered chat prompt this long or longer is tokenised on a thread, off the event loop."""
+CLOSING_STATUSES = frozenset({408, 413})
+"""Errors answered before the body was read whole: the connection is closed after them."""
+
+
+def authorized(header: str | None, api_key: str) -> bool:
+    """Whether an ``Authorization`` header carries ``Bearer <api_key>``, compared in constant time."""
+    if not header:
+        return False
+    scheme, _, token = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+@dataclass
+class ServedModel:
+    """What the daemon serves, as the API names it."""
+
+    name: str
+    path: str
+    max_model_len: int | None
+    chat_template: ChatTemplate | None
+    template_error: str | None = None
+    """Why the chat template could not be loaded (it then stays None)."""
+    daemon_renders_chat: bool = False
+    """The daemon takes ``messages`` and renders them with the model's template itself."""
+
+
+class HttpApi:
+    """The aiohttp application's handlers over one daemon client.
+
+    Args:
+        client: connected to the daemon (the caller owns and closes it).
+        model_name: the name clients use (default: the model directory's name, from the daemon's status).
+        api_key: required bearer token, or None.
+        chat_template: a template file overriding the model's own.
+        max_body_bytes: largest request body, bytes (413 beyond).
+        body_timeout_s: most time a body may take to arrive, seconds (408 beyond).
+        write_timeout_s: most time a write may wait for a client that does not read, seconds; then the
+            connection is aborted and its daemon requests cancelled.
+    """
+
+    def __init__(self, client: AsyncClient, *, model_name: str | None = None, api_key: str | None = None,
+                 chat_template: str | Path | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+                 body_timeout_s: float = BODY_TIMEOUT_S, write_timeout_s: float = WRITE_TIMEOUT_S) -> None:
+        self.client = client
+        self.body_timeout_s = body_timeout_s
+        self.write_timeout_s = write_timeout_s
+        self.model_name = model_name
+        self.api_key = api_key
+        self.chat_template_path = chat_template
+        self._model: ServedModel | None = None
+        self._tokenizer = None
+        self._names: L.TokenStrings | None = None
+        self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._errors, self._auth])
+        self.app.add_routes([
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.get("/v1/models", self.models),
+            web.get("/v1/models/{name:.+}", self.model),
+            web.get("/health", self.health),
+            web.get("/metrics", self.metrics),
+        ])
+
+    # -- middlewares ------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+        try:
+            return await handler(request)
+        except S.ApiError as exc:
+            return _error(exc)
+        except web.HTTPException as exc:  # aiohttp's own: 404 no route, 405, 413 body too large
+            if exc.status < 400:
+                raise
+            kind = "invalid_request_error" if exc.status < 500 else "server_error"
+            return _error(S.ApiError(exc.status, exc.text or exc.reason, kind))
+        except (asyncio.CancelledError, ConnectionError):
+            raise
+        except Exception:
+            log.exception("%s %s failed", request.method, request.path)
+            err = S.ApiError(500, "internal error", "server_error")
+            return web.json_response(err.body(), status=500)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if self.api_key is not None and request.path not in OPEN_PATHS \
+                and not authorized(request.headers.get("Authorization"), self.api_key):
+            raise S.ApiError(401, "a valid API key is required: Authorization: Bearer <key>",
+                             "authentication_error", None, "invalid_api_key")
+        return await handler(request)
+
+    # -- the served model ---------------------------------------------------------------------
+
+    async def served_model(self) -> ServedModel:
+        """The served model, from the daemon's status on first use; ApiError 503 while it cannot be asked."""
+        if self._model is not None:
+            return self._model
+        try:
+            status = await asyncio.wait_for(self.client.status(), STATUS_TIMEOUT_S)
+        except (RingstreamError, TimeoutError) as exc:
+            raise S.unavailable(f"the inference daemon is unavailable: {exc or 'no answer'}",
+                                "daemon_unavailable") from None
+        if not status.model:
+            raise S.unavailable("the inference daemon has not loaded its model yet", "starting")
+        lens = [w.max_model_len for w in status.workers if w.max_model_len]
+        template, error = None, None
+        try:
+            template = ChatTemplate.from_model_dir(status.model, self.chat_template_path)
+        except (ChatTemplateError, OSError) as exc:
+            error = str(exc)
+            log.warning("chat template: %s", exc)
+        self._model = ServedModel(self.model_name or Path(status.model).name, status.model,
+                                  min(lens) if lens else None, template, error, status.accepts_messages)
+        return self._model
+
+    async def _check_model(self, requested: str | None) -> ServedModel:
+        served = await self.served_model()
+        if requested and requested not in (served.name, served.path):
+            raise S.ApiError(404, f"the model {requested!r} does not exist; this server serves {served.name!r}",
+                             "invalid_request_error", "model", "model_not_found")
+        return served
+
+    async def _tokens(self, served: ServedModel, text: str) -> list[int]:
+        """Token ids of a rendered chat prompt, special tokens not added (the template holds them).
+
+        A long prompt is tokenised on a thread (``tokenizers`` releases the GIL), so that other streams go on.
+        """
+        self._load_tokenizer(served)
+        if len(text) < LONG_PROMPT_CHARS:
+            return self._tokenizer.encode(text, add_special_tokens=False).ids
+        return (await asyncio.to_thread(self._tokenizer.encode_batch, [text], add_special_tokens=False))[0].ids
+
+    def _load_tokenizer(self, served: ServedModel):
+        """The model's tokenizer, loaded on first use; ApiError 500 when it cannot be."""
+        if self._tokenizer is None:
+            from tokenizers import Tokenizer  # no torch: only the tokenizer's own library
+            try:
+                self._tokenizer = Tokenizer.from_file(str(Path(served.path) / "tokenizer.json"))
+            except Exception as exc:  # tokenizers raises plain Exception subclasses
+                raise S.ApiError(500, f"cannot load the model's tokenizer: {exc}", "server_error") from None
+            self._names = L.TokenStrings(self._tokenizer)
+        return self._tokenizer
+
+    def _token_strings(self, served: ServedModel) -> L.TokenStrings:
+        """Token strings for logprobs, from this process's tokenizer (the front spends nothing on them)."""
+        self._load_tokenizer(served)
+        return self._names
+
+    # -- endpoints ----------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 ``{"status": "serving"}`` when the daemon serves with a live worker, else 503 with its state."""
+        try:
+            status = await asyncio.wait_for(self.client.status(), STATUS_TIMEOUT_S)
+        except (RingstreamError, TimeoutError) as exc:
+            return web.json_response({"status": "unavailable", "message": str(exc) or "no answer"}, status=503,
+                                     headers={"Retry-After": str(S.RETRY_AFTER_S)})
+        live = sum(w.alive for w in status.workers)
+        ok = status.ready and status.state == "serving" and live > 0
+        state = "no_live_worker" if status.state == "serving" and not live else status.state
+        body = {"status": state, "workers_alive": live}
+        return web.json_response(body, status=200 if ok else 503,
+                                 headers=None if ok else {"Retry-After": str(S.RETRY_AFTER_S)})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """The daemon's Prometheus exposition; 503 while the daemon cannot be asked, 501 from one too old."""
+        try:
+            text = await asyncio.wait_for(self.client.metrics(), STATUS_TIMEOUT_S)
+        except InvalidRequest:
+            raise S.ApiError(501, "the inference daemon does not serve metrics (it is older than this server)",
+                             "server_error") from None
+        except (RingstreamError, TimeoutError) as exc:
+            raise S.unavailable(f"the inference daemon is unavailable: {exc or 'no answer'}",
+                                "daemon_unavailable") from None
+        return web.Response(body=text.encode(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+    def _card(self, served: ServedModel) -> S.ModelCard:
+        return S.ModelCard(id=served.name, created=G.now_s(), root=served.path, max_model_len=served.max_model_len)
+
+    async def models(self, request: web.Request) -> web.Response:
+        served = await self.served_model()
+        return _json(S.ModelList([self._card(served)]))
+
+    async def model(self, request: web.Request) -> web.Response:
+        served = await self._check_model(request.match_info["name"])
+        return _json(self._card(served))
+
+    async def _body(self, request: web.Request) -> bytes:
+        """The whole request body; ApiError 408 when it takes over ``body_timeout_s`` (413 from aiohttp when
+        it exceeds ``max_body_bytes``)."""
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                return await request.read()
+        except TimeoutError:
+            raise S.ApiError(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
+                             "invalid_request_error", None, "body_timeout") from None
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = S.decode_request(await self._body(request), S.CompletionRequest)
+        prompts = S.completion_prompts(req)
+        served = await self._check_model(req.model)
+        jobs = G.jobs_of(prompts, req.n or 1)
+        params = S.generate_params(req, req.max_tokens, bool(req.stream))
+        rid, created = G.new_id("cmpl"), G.now_s()
+        asked = req.logprobs is not None
+        names = self._token_strings(served) if asked or (req.echo and any(isinstance(p, list) for p in prompts)) \
+            else None
+
+        def echoed(job: G.Job) -> str:
+            return "" if not req.echo else job.prompt if isinstance(job.prompt, str) else names.decode(job.prompt)
+
+        offsets: dict[int, int] = {}
+
+        def logprobs(index: int, ids: list[int], entries: list) -> S.CompletionLogprobs:
+            body = L.completion_logprobs(entries, ids, names, offsets.get(index, 0))
+            if body.tokens:
+                offsets[index] = body.text_offset[-1] + len(body.tokens[-1])
+            return body
+
+        def event(job: G.Job, chunk: P.Chunk, finish: str | None, first: bool) -> S.CompletionBody:
+            text, body = chunk.text, None
+            if first:
+                text = echoed(job) + text
+            if asked:
+                ids, entries = list(chunk.token_ids), list(chunk.logprobs or ())
+                if req.echo and chunk.prompt_logprobs is not None:
+                    ids, entries = (chunk.prompt_token_ids or []) + ids, chunk.prompt_logprobs + entries
+                body = logprobs(job.index, ids, entries)
+            return S.CompletionBody(rid, created, served.name, [S.CompletionChoice(job.index, text, finish, body)])
+
+        if req.stream:
+            usage = (lambda u: S.CompletionBody(rid, created, served.name, [], usage=u)) \
+                if req.stream_options is not None and req.stream_options.include_usage else None
+            return await G.stream_sse(request, self.client, jobs, params, event, usage, self.write_timeout_s)
+        got = await G.gather(self.client, jobs, params)
+        choices = []
+        for job in jobs:
+            i, body = job.index, None
+            if asked:
+                prompt_ids, prompt_entries = got.prompt_logprobs.get(i, ([], [])) if req.echo else ([], [])
+                body = logprobs(i, prompt_ids + got.token_ids.get(i, []),
+                                list(prompt_entries) + got.logprobs.get(i, []))
+            choices.append(S.CompletionChoice(i, echoed(job) + got.text(i), got.finish.get(i), body))
+        return await G.send_json(request, S.CompletionBody(rid, created, served.name, choices, usage=got.usage()),
+                                 self.write_timeout_s)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        req = S.decode_request(await self._body(request), S.ChatCompletionRequest)
+        served = await self._check_model(req.model)
+        if served.chat_template is None and served.template_error is not None:
+            raise S.bad_request(served.template_error, "messages", "chat_template_error")
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        if self._daemon_renders(served, req, max_tokens):
+            prompt = tuple(_messages(req))  # G.Job: a tuple of messages, rendered and tokenised by the daemon
+        else:
+            prompt, max_tokens = await self._render(served, req, max_tokens)
+        jobs = G.jobs_of([prompt], req.n or 1)
+        params = S.generate_params(req, max_tokens, bool(req.stream))
+        rid, created = G.new_id("chatcmpl"), G.now_s()
+
+        names = self._token_strings(served) if req.logprobs else None
+
+        def event(job: G.Job, chunk: P.Chunk, finish: str | None, first: bool) -> S.ChatChunkBody:
+            text = chunk.text
+            delta = S.Delta(role="assistant", content=text) if first else S.Delta(content=text or None)
+            body = L.chat_logprobs(chunk.logprobs or [], names) if names is not None else None
+            return S.ChatChunkBody(rid, created, served.name, [S.ChatChunkChoice(job.index, delta, finish, body)])
+
+        if req.stream:
+            usage = (lambda u: S.ChatChunkBody(rid, created, served.name, [], usage=u)) \
+                if req.stream_options is not None and req.stream_options.include_usage else None
+            return await G.stream_sse(request, self.client, jobs, params, event, usage, self.write_timeout_s)
+        got = await G.gather(self.client, jobs, params)
+        choices = [S.ChatChoice(i, S.AssistantMessage(got.text(i)), got.finish.get(i),
+                                L.chat_logprobs(got.logprobs.get(i, []), names) if names is not None else None)
+                   for i in range(len(jobs))]
+        return await G.send_json(request, S.ChatCompletionBody(rid, created, served.name, choices, got.usage()),
+                                 self.write_timeout_s)
+
+
+    def _daemon_renders(self, served: ServedModel, req: S.ChatCompletionRequest, max_tokens: int | None) -> bool:
+        """Whether the daemon can render this chat as this server would: it takes ``messages``, with the model's
+        own template (no ``--chat-template``), no ``chat_template_kwargs``, the generation prompt, and a
+        ``max_tokens`` given (the rest of the context needs the prompt's token count here)."""
+        return (served.daemon_renders_chat and served.chat_template is not None and self.chat_template_path is None
+                and not req.chat_template_kwargs and req.add_generation_prompt and max_tokens is not None)
+
+    async def _render(self, served: ServedModel, req: S.ChatCompletionRequest,
+                      max_tokens: int | None) -> tuple[list[int], int | None]:
+        """The chat's token ids, rendered and tokenised here, and ``max_tokens`` (None: the rest of the context)."""
+        try:
+            text = render_chat_prompt(served.chat_template, _messages(req), req.add_generation_prompt,
+                                      req.chat_template_kwargs)
+        except ChatTemplateError as exc:
+            raise S.bad_request(str(exc), "messages", "chat_template_error") from None
+        ids = await self._tokens(served, text)
+        if not ids:
+            raise S.bad_request("the rendered chat prompt is empty", "messages")
+        if max_tokens is None and served.max_model_len is not None:
+            max_tokens = served.max_model_len - len(ids)
+            if max_tokens < 1:
+                raise S.bad_request(f"the messages are {len(ids)} tokens; the model's context is "
+                                    f"{served.max_model_len}", "messages", "context_length_exceeded")
+        return ids, max_tokens
+
+
+def _json(body) -> web.Response:
+    return web.Response(body=S.JSON_ENCODER.encode(body), content_type="application/json")
+
+
+def _error(exc: S.ApiError) -> web.Response:
+    response = web.json_response(exc.body(), status=exc.status, headers=exc.headers())
+    if exc.status in CLOSING_STATUSES:
+        response.force_close()
+    return response
+
+
+def _messages(req: S.ChatCompletionRequest) -> list[dict]:
+    """The messages as the template reads them: content a string (text parts joined); ApiError 400 for others."""
+    out = []
+    for i, msg in enumerate(req.messages):
+        content = msg.content
+        if isinstance(content, list):
+            if any(part.type != "text" or part.text is None for part in content):
+                raise S.bad_request(f"messages[{i}]: only text content parts are supported", "messages")
+            content = "".join(part.text for part in content)
+        item = {"role": msg.role, "content": "" if content is None else content}
+        if msg.name is not None:
+            item["name"] = msg.name
+        out.append(item)
+    return out
