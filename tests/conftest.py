@@ -67,6 +67,16 @@ def start_module_daemon(tmp_path_factory):
 # ------------------------------------------------------------ the e2e guard
 
 
+@pytest.fixture(scope="session")
+def _native_kernels():
+    """Build (or load from the cache) the engine's native CPU kernels before the guard is armed: the build runs
+    the compiler, which is the session's setup, not a test's process. Every engine of the session then finds
+    them loaded; without a compiler it finds None and takes the pure-torch path, as a worker would."""
+    from ringstream.daemon.engine.kernels import native_ops
+
+    native_ops()
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     global _current_item
@@ -118,7 +128,7 @@ GUARDED = [
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _e2e_guard():
+def _e2e_guard(_native_kernels):
     """For the whole session: starting a process fails in a test not marked ``e2e`` (see the module)."""
     with pytest.MonkeyPatch.context() as patch:
         for owner, attribute, what in GUARDED:

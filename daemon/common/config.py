@@ -87,6 +87,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_num_batched_tokens: int = ENGINE_DEFAULTS.max_num_batched_tokens
     """New tokens one engine step computes: running decodes first (one each), then prompt chunks in what is
     left (chunked prefill). Smaller bounds the inter-token stall a long prompt causes; larger prefills faster."""
+    max_step_ms: float | None = ENGINE_DEFAULTS.max_step_ms
+    """Target duration of an engine step that carries a prompt chunk, milliseconds: the chunk is sized from the
+    measured cost of a prompt token on the worker's device, so decoding streams stall about this long at most
+    while a long prompt prefills; ``max_num_batched_tokens`` stays the upper bound. Unset: 100 on CPU, 50 on a
+    GPU; 0: the token budget alone."""
     queue_size: int = 10_000
     """Requests waiting at most (all workers); a request beyond it gets ``QUEUE_FULL`` at once."""
     client_timeout_s: float = 10.0
@@ -109,6 +114,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Data bytes of each worker's token ring (a power of two)."""
     worker_threads: int = 0
     """torch intra-op threads per CPU worker; 0 = the host's cores divided among the CPU workers."""
+    native_kernels: bool = ENGINE_DEFAULTS.native_kernels
+    """On CPU workers: the native decode-attention kernel (built once with the host's C++ compiler, cached under
+    ``~/.cache/torch_extensions``) and oneDNN-packed linear weights; false: plain PyTorch (same tokens in float32,
+    slower)."""
     seed: int = ENGINE_DEFAULTS.seed
     """Seed of the workers' sampling generator for requests that give none."""
     metrics_port: int | None = None

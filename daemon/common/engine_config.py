@@ -38,6 +38,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Most tokens (prompt + output) per sequence; None = the model's context."""
     max_num_batched_tokens: int = 2048
     """Most new tokens one step computes (decodes first, then prompt chunks)."""
+    max_step_ms: float | None = None
+    """Target duration of a step that carries a prompt chunk, milliseconds: chunks are sized from the measured
+    cost of a prompt token on the worker's device (:mod:`ringstream.daemon.engine.step_budget`), within
+    ``max_num_batched_tokens``. None: the device's default (100 on CPU, 50 on an accelerator); 0: the token
+    budget alone."""
     block_size: int = 16
     """Token positions per KV-cache block."""
     num_blocks: int | None = None
@@ -48,6 +53,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Fraction of the memory left after the weights and a profiling forward that the KV pool may take."""
     enable_prefix_caching: bool = True
     """Share and keep KV blocks by their prefix key (chained block hashes, LRU eviction)."""
+    native_kernels: bool = True
+    """On CPU: decode attention by the native kernel that reads the paged KV pool in place (built on the first
+    start with the host's C++ compiler and cached; without one the pure-torch path serves it), and linear layers
+    over oneDNN-packed weights. False: plain PyTorch everywhere (the reference path)."""
     seed: int = 0
     """Seed of the sampling generator for requests that give none."""
     synthetic_step_s: float = 0.001
@@ -67,6 +76,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError(f"max_model_len = {self.max_model_len}: must be >= 2 tokens (or unset)")
         if not 0 < self.memory_utilization <= 1:
             raise ValueError(f"memory_utilization = {self.memory_utilization}: must be in (0, 1]")
+        if self.max_step_ms is not None and not self.max_step_ms >= 0:
+            raise ValueError(f"max_step_ms = {self.max_step_ms}: must be >= 0 milliseconds (0: off), or unset")
         if self.threads < 0:
             raise ValueError(f"threads = {self.threads}: must be >= 0")
         if not self.synthetic_step_s >= 0:

@@ -25,10 +25,15 @@ transformers' ``sliding_window_causal_mask``), ``softcap`` (Gemma 2's logit
 softcapping) and ``s_aux`` (GPT-OSS's attention sinks); the last two go to
 :func:`eager_attention`, as SDPA has neither.
 
-CPU has no paged kernel in PyTorch; the gather copies each row's context once
-per layer, which costs about what the attention reads. CUDA takes the same
-path (gather, then SDPA or the two matmuls); a paged / varlen FlashAttention
-kernel reading the blocks in place is not used.
+On CPU, decode groups take the engine's native kernel when it is built
+(``torch.ops.ringstream.paged_decode``, :mod:`ringstream.daemon.engine.kernels`):
+it reads each row's blocks in place, with no gather copy, scores and softmax in
+float32 (float32 results equal to SDPA's to ~1e-6; the model zoo's greedy
+tokens stay equal to ``generate()``). Without it (no compiler, or
+``native_kernels = false``) the gather copies each row's context once per
+layer, which costs about what the attention reads. CUDA takes the gather path
+(then SDPA or the two matmuls); a paged / varlen FlashAttention kernel reading
+the blocks in place is not used.
 """
 
 from __future__ import annotations
@@ -87,8 +92,13 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     out = torch.empty_like(q) if value_dim == head_dim else q.new_empty(num_tokens, heads, value_dim)
     gqa = heads != kv_heads
     reduced = query.dtype != torch.float32
+    native = paged.native if not eager else None
     for group in paged.decode_groups:
         rows = group.rows
+        if native is not None:  # reads the pool in place: no gather
+            native.paged_decode(out, q, key, value, group.block_index, group.lengths, rows, block_size, scaling,
+                                window or 0)
+            continue
         g = rows.shape[0]
         length = group.kv_valid.shape[-1]
         # [kv_heads, g * nb, bs * D] -> [g, kv_heads, T, D] with contiguous [T, D] matrices

@@ -55,6 +55,7 @@ alone.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -78,10 +79,13 @@ from ringstream.daemon.engine.interface import (
 )
 from ringstream.daemon.engine.checks import check_against_model, check_servable, ignored_generation_defaults
 from ringstream.daemon.engine.scheduler import SequenceState, StepScheduler
+from ringstream.daemon.engine.step_budget import StepBudget, default_max_step_ms
 from ringstream.daemon.engine.families import kv_shape
 from ringstream.daemon.common.model_dir import ModelError
 from ringstream.daemon.engine.rope import check_batch_independent, fix_rope_frequencies
+from ringstream.daemon.engine.kernels import native_ops
 from ringstream.daemon.engine.kv_cache import PagedKVCache
+from ringstream.daemon.engine.linear import pack_linears
 from ringstream.daemon.engine.memory import kv_cache_budget
 from ringstream.daemon.engine.model_runner import ModelRunner
 
@@ -103,6 +107,8 @@ log = logging.getLogger("ringstream.engine")
 
 _WARMUP_PROMPT_LEN = 4
 _WARMUP_MAX_TOKENS = 2
+CALIBRATION_TOKENS = 256
+"""Prompt tokens of the start-up step that measures a prompt token's cost (the step budget's first estimate)."""
 
 
 class Engine(BaseEngine):
@@ -141,6 +147,10 @@ class Engine(BaseEngine):
         self.eos_token_ids = tuple(eos_token_ids) or _model_eos_token_ids(model, text_config)
         self.dtype = next(model.parameters()).dtype
         self.enable_prefix_caching = config.enable_prefix_caching
+        native = None
+        if config.native_kernels and self.device.type == "cpu":
+            native = native_ops()
+            pack_linears(model)  # before the memory profile: the packed weights replace the stored ones
         kv_heads, head_dim, value_head_dim = self._kv_shape(model, text_config)
         num_blocks = self._num_blocks(model, text_config.num_hidden_layers, kv_heads, head_dim, value_head_dim)
         self._prepare_model(model)
@@ -150,7 +160,10 @@ class Engine(BaseEngine):
         self._blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self._scheduler = StepScheduler(self._blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self._runner = ModelRunner(model, self._cache, self._blocks, vocab_size=self.vocab_size, device=self.device,
-                                   seed=config.seed)
+                                   seed=config.seed, native=native)
+        max_step_ms = config.max_step_ms if config.max_step_ms is not None else default_max_step_ms(self.device.type)
+        self._budget = StepBudget(max_step_ms, config.max_num_batched_tokens) if max_step_ms > 0 else None
+        self._scheduler.chunk_limit = self._budget.chunk_tokens if self._budget is not None else None
         self._next_seq_id = 0
         self._warmup_failure = ""
 
@@ -284,7 +297,11 @@ class Engine(BaseEngine):
         with torch.inference_mode():
             scheduled = self._scheduler.schedule()
             if scheduled:
+                decodes = sum(1 for seq, n in scheduled.items() if len(seq.token_ids) - seq.num_computed == n == 1)
+                started = time.perf_counter()
                 self._run(scheduled, outputs)
+                if self._budget is not None:
+                    self._budget.observe(decodes, sum(scheduled.values()) - decodes, time.perf_counter() - started)
         return outputs
 
     def warmup(self) -> None:
@@ -313,8 +330,29 @@ class Engine(BaseEngine):
         check_against_model(self._model, self._config, self._traced_run, block_size=self.block_size,
                             max_model_len=self.max_model_len, vocab_size=self.vocab_size, device=self.device,
                             dtype=self.dtype)
+        if self._budget is not None:
+            self._calibrate_step_budget()
         self._blocks.reset_prefix_cache()
         self._blocks.prefix_queries = self._blocks.prefix_hits = 0
+
+    def _calibrate_step_budget(self) -> None:
+        """Time one prompt step and one decode step of an internal request: the step budget's start values."""
+        scheduler = self._scheduler
+        length = max(1, min(CALIBRATION_TOKENS, scheduler.max_num_batched_tokens, self.max_model_len - 3))
+        prompt = [3 + i % max(self.vocab_size - 3, 1) for i in range(length)]
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        scheduler.add(self._make_sequence(None, EngineRequest(handle=-1, prompt_token_ids=prompt, params=params)))
+        limit, scheduler.chunk_limit = scheduler.chunk_limit, None
+        try:
+            times = []
+            while self.has_unfinished():
+                started = time.perf_counter()
+                self.step()
+                times.append(time.perf_counter() - started)
+        finally:
+            scheduler.chunk_limit = limit
+        if len(times) == 2:  # the prompt in one step, then one decode step
+            self._budget.calibrate(decode_step_s=times[1], prompt_tokens=length, prompt_step_s=times[0])
 
     def _traced_run(self, prompt: list[int], params: SamplingParams,
                     max_num_batched_tokens: int) -> tuple[list[int], torch.Tensor, set]:
@@ -327,6 +365,7 @@ class Engine(BaseEngine):
         seq = self._make_sequence(None, EngineRequest(handle=-1, prompt_token_ids=prompt, params=params))
         scheduler, runner = self._scheduler, self._runner
         budget, scheduler.max_num_batched_tokens = scheduler.max_num_batched_tokens, max_num_batched_tokens
+        limit, scheduler.chunk_limit = scheduler.chunk_limit, None
         runner.captured = []
         runner.seen_windows = set()
         try:
@@ -337,6 +376,7 @@ class Engine(BaseEngine):
         finally:
             runner.captured = None
             scheduler.max_num_batched_tokens = budget
+            scheduler.chunk_limit = limit
         return seq.request.output_token_ids, got, runner.seen_windows
 
     # ------------------------------------------------------------ requests

@@ -137,12 +137,16 @@ class AttentionMetadata:
     scratch: torch.Tensor | None = None
     """Reused by every layer for the gathered keys and values (set by the engine from
     :meth:`PagedKVCache.scratch`); None: the attention allocates its own."""
+    native: object | None = None
+    """``torch.ops.ringstream`` when the native CPU kernel serves this step's decode rows
+    (:func:`ringstream.daemon.engine.kernels.native_ops`); None: the pure-torch gather path."""
 
     @property
     def max_gather_blocks(self) -> int:
-        """Most blocks one attention call of this step gathers (per key or value buffer)."""
-        return max([g.block_index.numel() for g in self.decode_groups]
-                   + [c.block_index.numel() for c in self.prefill_chunks])
+        """Most blocks one attention call of this step gathers (per key or value buffer); decode rows read by the
+        native kernel gather none."""
+        gathered = self.prefill_chunks if self.native is not None else self.decode_groups + self.prefill_chunks
+        return max([part.block_index.numel() for part in gathered], default=0)
 
 
 class PagedKVCache:

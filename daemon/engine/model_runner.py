@@ -112,8 +112,10 @@ class ModelRunner:
     """
 
     def __init__(self, model, cache: PagedKVCache, blocks: BlockManager, *, vocab_size: int,
-                 device: torch.device, seed: int) -> None:
+                 device: torch.device, seed: int, native=None) -> None:
         self.model = model
+        self.native = native
+        """``torch.ops.ringstream`` when decode attention takes the native kernel, else None."""
         self.cache = cache
         self._blocks = blocks
         self.block_size = blocks.block_size
@@ -202,6 +204,7 @@ class ModelRunner:
         """
         device = self.device
         meta = build_metadata(inputs.decodes, inputs.prefills, self.block_size, device)
+        meta.native = self.native
         meta.scratch = self.cache.scratch(meta.max_gather_blocks)
         if self.captured is not None:
             meta.seen_windows = self.seen_windows

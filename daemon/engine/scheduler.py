@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ringstream.daemon.common.finish import finish_after_token
 from ringstream.daemon.common.prefix_hash import block_hashes
@@ -117,6 +117,9 @@ class StepScheduler:
         self.enable_prefix_caching = blocks.enable_prefix_caching
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunk_limit: Callable[[int], int] | None = None
+        """``decodes -> prompt tokens`` the step may add beside that many decode rows (the engine's time
+        budget, :class:`ringstream.daemon.engine.step_budget.StepBudget`); None: the token budget alone."""
         self.watermark = max(1, int(blocks.num_usable_blocks * WATERMARK_FRACTION))
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
@@ -178,6 +181,8 @@ class StepScheduler:
         scheduled: dict[SequenceState, int] = {}
         budget = self.max_num_batched_tokens
         for decode in (True, False):
+            if not decode and self.chunk_limit is not None:  # prompt tokens: the time budget's share
+                budget = min(budget, self.chunk_limit(len(scheduled)))
             for seq in list(self.running):
                 if budget == 0:
                     return scheduled
