@@ -9,8 +9,8 @@ past it, then SIGKILL of any worker left behind; it removes the instance's
 helper, the soak, the serving benchmark and ``ringstream demo`` all start
 their daemons with it.
 
-It speaks to the daemon only through ``ringstream.ipc`` (tools import
-nothing from the daemon package).
+It speaks to the daemon only through ``ringstream.ipc`` and the ``serve``
+command line: it imports none of the daemon's processes.
 
 Example::
 

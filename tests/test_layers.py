@@ -95,6 +95,19 @@ def test_layer_rule_catches_a_wrong_import(tmp_path):
 
 
 @pytest.mark.e2e
+def test_the_front_process_loads_no_engine_module():
+    """Through the worker package too: the front builds a worker's spec and spawns it, and nothing more."""
+    names = [f"ringstream.daemon.{layer}.{p.stem}" for layer, p in modules() if layer in ("front", "http")
+             and p.stem != "__init__"] + ["ringstream.daemon.cli"]
+    code = ("import importlib, sys\n"
+            f"for name in {names!r}: importlib.import_module(name)\n"
+            "engine = sorted(m for m in sys.modules if m.startswith('ringstream.daemon.engine'))\n"
+            "sys.exit(f'loaded {engine}' if engine else 0)\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.e2e
 def test_front_and_http_modules_load_neither_torch_nor_transformers():
     names = [f"ringstream.daemon.{layer}.{p.stem}" for layer, p in modules()
              if layer in ("front", "http") and p.stem != "__init__"]

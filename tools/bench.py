@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 # Every in-process system gets huge pages for large CPU tensors, as the daemon's workers do
-# (daemon.worker_pool.HUGE_PAGES_ENV); PyTorch reads this at its first allocation.
+# (daemon.front.worker_pool.HUGE_PAGES_ENV); PyTorch reads this at its first allocation.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from ringstream.tools import bench_kv, bench_vllm  # noqa: E402

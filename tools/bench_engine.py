@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-# Huge pages for large CPU tensors, as ringstream's workers have them (daemon.worker_pool.HUGE_PAGES_ENV);
+# Huge pages for large CPU tensors, as ringstream's workers have them (daemon.front.worker_pool.HUGE_PAGES_ENV);
 # read by PyTorch at its first allocation, so set before torch loads. Set it to 0 to compare.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 

@@ -26,9 +26,10 @@ def is_loopback_host(host: str) -> bool:
 def parse_listen(listen: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[::1]:8000`` for IPv6; port 0 picks a free one) as ``(host, port)``; ConfigError if malformed."""
     host, sep, port = listen.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
+    host = host.strip("[]")
+    if not sep or not host or not port.isascii() or not port.isdigit() or int(port) > 65535:
         raise ConfigError(f"listen address {listen!r} is not HOST:PORT")
-    return host.strip("[]"), int(port)
+    return host, int(port)
 
 
 def read_api_key(path: str | Path) -> str:

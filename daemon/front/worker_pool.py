@@ -34,7 +34,7 @@ from ringstream.daemon.common.config import Config
 from ringstream.daemon.common.supervision import (
     EXIT_REAP_S, RESTART_WINDOW_S, StartupError, backoff, join_with_deadlines,
 )
-from ringstream.daemon.worker.loop import WorkerSpec, worker_main
+from ringstream.daemon.worker.spec import WorkerSpec, run_worker
 from ringstream.ipc import protocol as P
 from ringstream.ipc.address import bind_private
 from ringstream.ipc.ring import Record, RingConsumer
@@ -206,7 +206,7 @@ def spawn(worker: WorkerProcess) -> None:
     """Start the worker's process (spawn method)."""
     os.environ.setdefault(HUGE_PAGES_ENV, "1")  # inherited by the spawned interpreter, before torch loads
     ctx = multiprocessing.get_context("spawn")
-    worker.process = ctx.Process(target=worker_main, args=(worker.spec,), name=f"ringstream-worker-{worker.index}")
+    worker.process = ctx.Process(target=run_worker, args=(worker.spec,), name=f"ringstream-worker-{worker.index}")
     worker.process.start()
     worker.pid = worker.process.pid
     worker.alive = True

@@ -17,7 +17,7 @@ the server prints one line, ``ringstream http: serving on URL ...``, on
 stdout. SIGTERM or SIGINT (or the ``stop`` event) stops it: it stops
 listening, gives requests in flight ``shutdown_grace_s`` to finish, cancels
 the rest (their daemon requests too), closes every connection and exits 0.
-Slow, idle and stuck clients are bounded by :class:`~ringstream.daemon.http.limits.HttpLimits`
+Slow, idle and stuck clients are bounded by :class:`~ringstream.daemon.http.options.HttpLimits`
 (timeouts, a connection cap, header sizes; see :mod:`ringstream.daemon.http.limits`).
 """
 
@@ -46,7 +46,6 @@ from ringstream.ipc.client import AsyncClient
 
 log = logging.getLogger("ringstream.http")
 
-"""On stop, requests in flight get this long to finish before they are cancelled, seconds."""
 UNIX_SOCKET_MODE = 0o600
 READY_LINE = "ringstream http: serving on"
 """The start of the line printed (and flushed) on stdout once every address is bound; the URLs follow."""

@@ -32,14 +32,13 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
 
 import zmq
 
 from ringstream.daemon.engine.interface import EngineRequest, PromptTooLong, RequestError
-from ringstream.daemon.common.engine_config import EngineConfig
 from ringstream.daemon.common.proctitle import set_process_title, worker_title
 from ringstream.daemon.worker.faults import FAULT_INJECT_ENV, FaultInjector
+from ringstream.daemon.worker.spec import WorkerSpec
 from ringstream.ipc import protocol as P
 from ringstream.ipc.ring import KIND_ERROR, KIND_FINISH, KIND_PROMPT_LOGPROBS, KIND_TOKEN, RingProducer
 
@@ -54,23 +53,6 @@ PROMPT_LOGPROBS_RECORD_BYTES = 40_000
 
 FINISH_FLAGS = {reason: i for i, reason in enumerate(P.FinishReason)}
 """FINISH record ``flags``: the finish reason's index (the payload has it in full)."""
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerSpec:
-    """Everything a worker needs; pickled to the spawned process."""
-
-    index: int
-    model_path: str
-    engine: EngineConfig
-    """The engine's settings, whole (device, dtype and threads resolved for this worker)."""
-    command_address: str
-    event_address: str
-    ring_name: str
-    ring_instance_id: int
-    heartbeat_s: float
-    parent_pid: int
-    log_level: str
 
 
 class FrontGone(Exception):

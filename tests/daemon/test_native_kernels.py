@@ -95,9 +95,10 @@ def test_paged_decode_refuses_what_it_cannot_read(ops):
                          torch.ones(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 16, 1.0, 0)
 
 
-def test_an_unbuildable_kernel_falls_back_with_a_warning(monkeypatch, caplog):
+def test_an_unbuildable_kernel_falls_back_with_a_warning(monkeypatch, caplog, tmp_path):
     from torch.utils import cpp_extension
 
+    monkeypatch.setattr(kernels, "cache_dir", lambda: tmp_path)  # nothing built before: the build path runs
     def no_compiler(**_):
         raise RuntimeError("Ninja is required to load C++ extensions")
 
@@ -105,6 +106,13 @@ def test_an_unbuildable_kernel_falls_back_with_a_warning(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="ringstream.engine"):
         assert kernels.native_ops.__wrapped__() is None
     assert "pure-torch attention: Ninja is required" in caplog.text
+    assert not list(tmp_path.iterdir())  # no library kept
+
+
+def test_a_kept_library_is_loaded_without_a_build(ops, monkeypatch):
+    from torch.utils import cpp_extension
+    monkeypatch.setattr(cpp_extension, "load", lambda **_: pytest.fail("rebuilt a kept library"))
+    assert kernels.native_ops.__wrapped__() is torch.ops.ringstream
 
 
 def test_packed_linear_equals_linear_and_keeps_only_shared_weights():

@@ -1,45 +1,58 @@
-"""The time-based prompt-chunk budget: sized from measured costs, bounded by the token budget."""
+"""The time-based prompt-chunk budget: fitted from step times, bounded by the token budget."""
 
 import pytest
 
 from ringstream.daemon.engine.step_budget import MIN_CHUNK_TOKENS, StepBudget, default_max_step_ms
 
 
+def step_time(rows: int, fixed_s: float = 0.020, row_s: float = 0.001) -> float:
+    return fixed_s + row_s * rows
+
+
 def test_unmeasured_budget_is_the_token_budget_less_the_decodes():
-    budget = StepBudget(250, 2048)
+    budget = StepBudget(100, 2048)
+    assert budget.fixed_s is None and budget.row_s is None
     assert budget.chunk_tokens(16) == 2032
     assert budget.chunk_tokens(5000) == 1
 
 
 def test_chunk_fills_the_target_after_calibration():
-    budget = StepBudget(250, 2048)
-    budget.calibrate(decode_step_s=0.050, prompt_tokens=256, prompt_step_s=0.050 + 256 * 0.002)
-    assert budget.token_s == pytest.approx(0.002)
-    assert budget.chunk_tokens(16) == 100  # (0.250 - 0.050) / 0.002
-    fast = StepBudget(250, 2048)
+    budget = StepBudget(100, 2048)
+    budget.calibrate(decode_step_s=step_time(1), prompt_tokens=256, prompt_step_s=step_time(256))
+    assert (budget.fixed_s, budget.row_s) == (pytest.approx(0.020), pytest.approx(0.001))
+    assert budget.chunk_tokens(16) == 64  # 80 rows fill 100 ms: 16 decodes + 64 prompt tokens
+    fast = StepBudget(100, 2048)
     fast.calibrate(decode_step_s=0.001, prompt_tokens=256, prompt_step_s=0.002)
     assert fast.chunk_tokens(16) == 2032  # the token setting stays the upper bound
 
 
+def test_decode_rows_are_not_charged_to_the_prompt_tokens():
+    # Steps that all carry 16 decodes and a chunk: the fit must see the rows' common cost, not blame the chunk.
+    budget = StepBudget(100, 2048)
+    budget.calibrate(decode_step_s=step_time(1), prompt_tokens=256, prompt_step_s=step_time(256))
+    for _ in range(50):
+        chunk = budget.chunk_tokens(16)
+        budget.observe(decodes=16, prompt_tokens=chunk, seconds=step_time(16 + chunk))
+    assert budget.chunk_tokens(16) == 64
+
+
 def test_a_chunk_may_cost_as_much_as_the_decodes_past_the_target():
     budget = StepBudget(50, 2048)
-    budget.calibrate(decode_step_s=0.080, prompt_tokens=100, prompt_step_s=0.280)
-    assert budget.chunk_tokens(16) == 40  # 0.080 s of 2 ms tokens: the step takes 2 x 80 ms, not 50 ms
-    slow = StepBudget(50, 2048)
-    slow.calibrate(decode_step_s=0.001, prompt_tokens=1, prompt_step_s=1.0)
-    assert slow.chunk_tokens(16) == MIN_CHUNK_TOKENS
+    slow = dict(fixed_s=0.060, row_s=0.002)  # 16 decode rows alone take 92 ms
+    budget.calibrate(step_time(1, **slow), 256, step_time(256, **slow))
+    assert budget.chunk_tokens(16) == 46  # a step of 2 x 92 ms: 92 rows, 16 of them decodes
+    tiny = StepBudget(50, 2048)
+    tiny.calibrate(step_time(1, 0.0, 0.1), 2, step_time(2, 0.0, 0.1))
+    assert tiny.chunk_tokens(0) == MIN_CHUNK_TOKENS
 
 
-def test_observations_follow_a_dearer_context():
-    budget = StepBudget(250, 2048)
-    budget.calibrate(decode_step_s=0.050, prompt_tokens=256, prompt_step_s=0.050 + 256 * 0.002)
-    first = budget.chunk_tokens(16)
-    for _ in range(30):  # later chunks of a long prompt attend more context: 4 ms a token
-        budget.observe(decodes=16, prompt_tokens=50, seconds=0.050 + 50 * 0.004)
-    assert budget.token_s == pytest.approx(0.004, rel=0.01)
-    assert budget.chunk_tokens(16) == pytest.approx(first / 2, abs=2)
-    budget.observe(decodes=16, prompt_tokens=0, seconds=0.090)
-    assert 0.050 < budget.base_s < 0.090
+def test_the_fit_follows_a_dearer_context():
+    budget = StepBudget(100, 2048)
+    budget.calibrate(step_time(1), 256, step_time(256))
+    for _ in range(60):  # later chunks of a long prompt attend more: 2 ms a row now
+        chunk = budget.chunk_tokens(4)
+        budget.observe(decodes=4, prompt_tokens=chunk, seconds=step_time(4 + chunk, row_s=0.002))
+    assert budget.chunk_tokens(4) < 50
 
 
 def test_defaults_and_bad_targets():

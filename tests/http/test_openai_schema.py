@@ -138,6 +138,8 @@ def test_non_loopback_listen_needs_a_key(tmp_path):
         with pytest.raises(ConfigError):
             parse_listen(bad)
     assert parse_listen("[::1]:0") == ("::1", 0)
+    with pytest.raises(ConfigError, match="not HOST:PORT"):
+        parse_listen("[]:8000")  # brackets around nothing
 
 
 def test_bearer_token_check():
