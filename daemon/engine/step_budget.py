@@ -7,7 +7,8 @@ started by :meth:`StepBudget.calibrate` (the engine times a one-row decode step 
 refined after every step by :meth:`StepBudget.observe` (moving averages: a decode-only step refines the fixed
 cost, a step with a chunk the cost of a row, each with the other held).
 :meth:`StepBudget.chunk_tokens` is then the prompt tokens that fill the target beside the step's decode rows,
-within ``[MIN_CHUNK_TOKENS, max_num_batched_tokens - decodes]``. Where the decode rows alone already take the
+within ``[MIN_CHUNK_TOKENS, max_num_batched_tokens - decodes]``; a step without decode rows stalls no stream and
+takes the token budget whole (a burst of arrivals prefills in large steps). Where the decode rows alone already take the
 target, a chunk may still cost as much as they do (the step takes at most ``max(target, 2 x decode step)``), so
 prompts always advance and the weight reads never cost more than the tokens they serve.
 
@@ -80,8 +81,8 @@ class StepBudget:
     def chunk_tokens(self, decodes: int) -> int:
         """Prompt tokens the next step may carry beside ``decodes`` decode rows (>= 1)."""
         room = max(1, self.max_num_batched_tokens - decodes)
-        if self.fixed_s is None or self.row_s is None:
-            return room
+        if self.fixed_s is None or self.row_s is None or decodes == 0:
+            return room  # no stream decodes: none stalls, the token budget alone bounds the step
         fixed_s, row_s = self.fixed_s, self.row_s
         rows = max((self.target_s - fixed_s) / row_s, fixed_s / row_s + 2 * decodes)  # the target, or 2 x decodes
         return max(min(MIN_CHUNK_TOKENS, room), min(room, int(rows) - decodes))

@@ -43,7 +43,13 @@ def test_a_chunk_may_cost_as_much_as_the_decodes_past_the_target():
     assert budget.chunk_tokens(16) == 46  # a step of 2 x 92 ms: 92 rows, 16 of them decodes
     tiny = StepBudget(50, 2048)
     tiny.calibrate(step_time(1, 0.0, 0.1), 2, step_time(2, 0.0, 0.1))
-    assert tiny.chunk_tokens(0) == MIN_CHUNK_TOKENS
+    assert tiny.chunk_tokens(1) == MIN_CHUNK_TOKENS
+
+
+def test_without_decodes_the_token_budget_bounds_the_step():
+    budget = StepBudget(100, 2048)
+    budget.calibrate(step_time(1), 256, step_time(256))
+    assert budget.chunk_tokens(0) == 2048 and budget.chunk_tokens(1) < 100
 
 
 def test_the_fit_follows_a_dearer_context():
