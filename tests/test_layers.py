@@ -94,29 +94,29 @@ def test_layer_rule_catches_a_wrong_import(tmp_path):
     assert layer_of("ringstream.tools.bench") == "tools" and layer_of("ringstream.__version__") is None
 
 
+def loaded_after_importing(names: list[str], prefixes: tuple[str, ...]) -> list[str]:
+    """The modules starting with one of ``prefixes`` that a fresh interpreter holds after importing ``names``."""
+    code = ("import importlib, sys\n"
+            f"for name in {names!r}: importlib.import_module(name)\n"
+            f"print(sorted(m for m in sys.modules if m.startswith({prefixes!r})))\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return ast.literal_eval(result.stdout.strip())
+
+
+FRONT_AND_HTTP = [f"ringstream.daemon.{layer}.{p.stem}" for layer, p in modules()
+                  if layer in ("front", "http") and p.stem != "__init__"] + ["ringstream.daemon.cli"]
+
+
 @pytest.mark.e2e
 def test_the_front_process_loads_no_engine_module():
     """Through the worker package too: the front builds a worker's spec and spawns it, and nothing more."""
-    names = [f"ringstream.daemon.{layer}.{p.stem}" for layer, p in modules() if layer in ("front", "http")
-             and p.stem != "__init__"] + ["ringstream.daemon.cli"]
-    code = ("import importlib, sys\n"
-            f"for name in {names!r}: importlib.import_module(name)\n"
-            "engine = sorted(m for m in sys.modules if m.startswith('ringstream.daemon.engine'))\n"
-            "sys.exit(f'loaded {engine}' if engine else 0)\n")
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert loaded_after_importing(FRONT_AND_HTTP, ("ringstream.daemon.engine",)) == []
 
 
 @pytest.mark.e2e
 def test_front_and_http_modules_load_neither_torch_nor_transformers():
-    names = [f"ringstream.daemon.{layer}.{p.stem}" for layer, p in modules()
-             if layer in ("front", "http") and p.stem != "__init__"]
-    names += ["ringstream.daemon.common." + p.stem for p in (REPO_ROOT / "daemon" / "common").glob("*.py")]
+    names = FRONT_AND_HTTP + ["ringstream.daemon.common." + p.stem for p in (REPO_ROOT / "daemon" / "common").glob("*.py")]
     names += ["ringstream.daemon.engine.interface", "ringstream.daemon.engine.scheduler",
-              "ringstream.daemon.engine.block_manager", "ringstream.daemon.cli"]
-    code = ("import importlib, sys\n"
-            f"for name in {names!r}: importlib.import_module(name)\n"
-            "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
-            "sys.exit(f'loaded {heavy}' if heavy else 0)\n")
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
+              "ringstream.daemon.engine.block_manager"]
+    assert loaded_after_importing(names, ("torch", "transformers")) == []
