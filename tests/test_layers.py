@@ -116,7 +116,8 @@ def test_the_front_process_loads_no_engine_module():
 
 @pytest.mark.e2e
 def test_front_and_http_modules_load_neither_torch_nor_transformers():
-    names = FRONT_AND_HTTP + ["ringstream.daemon.common." + p.stem for p in (REPO_ROOT / "daemon" / "common").glob("*.py")]
+    common = (REPO_ROOT / "daemon" / "common").glob("*.py")
+    names = FRONT_AND_HTTP + ["ringstream.daemon.common." + p.stem for p in common]
     names += ["ringstream.daemon.engine.interface", "ringstream.daemon.engine.scheduler",
               "ringstream.daemon.engine.block_manager"]
     assert loaded_after_importing(names, ("torch", "transformers")) == []
