@@ -94,8 +94,8 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     reduced = query.dtype != torch.float32
     # The native kernel reads the standard layout only; a model passing anything else (its own head split, a
     # query batch of its own) takes the torch path, where the start checks judge it as before.
-    standard = query.dim() == 4 and query.shape[0] == 1 and key.dim() == 3 and value.dim() == 3 \
-        and heads % kv_heads == 0 and query.dtype == key.dtype == value.dtype
+    standard = query.shape[0] == 1 and key.dim() == 3 and value.dim() == 3 and heads % kv_heads == 0 \
+        and query.dtype == key.dtype == value.dtype
     native = paged.native if not eager and standard else None
     for group in paged.decode_groups:
         rows = group.rows
@@ -175,14 +175,12 @@ def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: to
 
 def _gather(key_blocks: torch.Tensor, value_blocks: torch.Tensor, index: torch.Tensor,
             scratch: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks ``index`` of ``[kv_heads, num_blocks, block_elements]`` keys and values, into ``scratch`` if given
-    and large enough (it is sized for the step's gathers; decode rows the native kernel was to read, in a model
-    whose layers take the eager path, gather into fresh tensors)."""
+    """Blocks ``index`` of ``[kv_heads, num_blocks, block_elements]`` keys and values, into ``scratch`` if given."""
+    if scratch is None:
+        return key_blocks.index_select(1, index), value_blocks.index_select(1, index)
     heads, count = key_blocks.shape[0], index.numel()
     key_size = heads * count * key_blocks.shape[2]
     value_size = heads * count * value_blocks.shape[2]
-    if scratch is None or scratch.numel() < key_size + value_size:
-        return key_blocks.index_select(1, index), value_blocks.index_select(1, index)
     k = scratch[:key_size].view(heads, count, key_blocks.shape[2])
     v = scratch[key_size:key_size + value_size].view(heads, count, value_blocks.shape[2])
     torch.index_select(key_blocks, 1, index, out=k)

@@ -143,10 +143,11 @@ class AttentionMetadata:
 
     @property
     def max_gather_blocks(self) -> int:
-        """Most blocks one attention call of this step gathers (per key or value buffer); decode rows read by the
-        native kernel gather none."""
-        gathered = self.prefill_chunks if self.native is not None else self.decode_groups + self.prefill_chunks
-        return max([part.block_index.numel() for part in gathered], default=0)
+        """Most blocks one attention call of this step may gather (per key or value buffer); decode groups count
+        even where the native kernel reads them in place, since a layer that takes the eager path gathers them
+        (the scratch's pages are only touched when it does)."""
+        return max([g.block_index.numel() for g in self.decode_groups]
+                   + [c.block_index.numel() for c in self.prefill_chunks])
 
 
 class PagedKVCache:

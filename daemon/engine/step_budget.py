@@ -7,9 +7,9 @@ started by :meth:`StepBudget.calibrate` (the engine times a one-row decode step 
 refined after every step by :meth:`StepBudget.observe` (moving averages: a decode-only step refines the fixed
 cost, a step with a chunk the cost of a row, each with the other held).
 :meth:`StepBudget.chunk_tokens` is then the prompt tokens that fill the target beside the step's decode rows,
-within ``[MIN_CHUNK_TOKENS, max_num_batched_tokens - decodes]``; a step without decode rows stalls no stream and
-takes the token budget whole (a burst of arrivals prefills in large steps). Where the decode rows alone already take the
-target, a chunk may still cost as much as they do (the step takes at most ``max(target, 2 x decode step)``), so
+within ``[MIN_CHUNK_TOKENS, max_num_batched_tokens - decodes]``; a step without decode rows stalls no stream
+and takes the token budget whole (a burst of arrivals prefills in large steps). Where the decode rows alone
+already take the target, a chunk may still cost as much as they do (the step takes at most ``max(target, 2 x decode step)``), so
 prompts always advance and the weight reads never cost more than the tokens they serve.
 
 Why: with a fixed token budget, a long prompt stalls every decoding stream for as long as its chunk takes, which
