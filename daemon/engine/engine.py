@@ -85,6 +85,7 @@ from ringstream.daemon.common.model_dir import ModelError
 from ringstream.daemon.engine.rope import check_batch_independent, fix_rope_frequencies
 from ringstream.daemon.engine.kernels import native_ops
 from ringstream.daemon.engine.kv_cache import PagedKVCache
+from ringstream.daemon.engine.fused import fuse_elementwise
 from ringstream.daemon.engine.linear import pack_linears
 from ringstream.daemon.engine.memory import kv_cache_budget
 from ringstream.daemon.engine.model_runner import ModelRunner
@@ -150,7 +151,9 @@ class Engine(BaseEngine):
         native = None
         if config.native_kernels and self.device.type == "cpu":
             native = native_ops()
-            pack_linears(model)  # before the memory profile: the packed weights replace the stored ones
+            pack_linears(model, native)  # before the memory profile: the packed weights replace the stored ones
+            if native is not None:
+                fuse_elementwise(model, native)
         kv_heads, head_dim, value_head_dim = self._kv_shape(model, text_config)
         num_blocks = self._num_blocks(model, text_config.num_hidden_layers, kv_heads, head_dim, value_head_dim)
         self._prepare_model(model)

@@ -1,10 +1,17 @@
 """The engine's native CPU kernels (``csrc/``), built on first use with the host's compiler and cached.
 
-:func:`native_ops` builds ``csrc/paged_attention.cpp`` as a torch extension (``torch.utils.cpp_extension.load``,
+:func:`native_ops` builds ``csrc/paged_attention.cpp`` (paged decode attention), ``csrc/gemm.cpp`` (float32
+linear layers over panel-packed weights) and ``csrc/elementwise.cpp`` (RMSNorm, SiLU-and-mul) as one torch
+extension (``torch.utils.cpp_extension.load``,
 ninja and a C++ compiler), keeps the library under :func:`cache_dir` keyed by a hash of its sources, flags and
 torch version, and loads it from there on later starts, so only the first start of a host pays the build, about half a minute on 2 cores) and returns ``torch.ops.ringstream``.
 Where it cannot be built (no compiler, no ninja), it logs why once and returns None: the engine then takes its
-pure-torch attention (float32 results equal to about 1e-6; the setting ``native_kernels = false`` chooses it).
+pure-torch attention and oneDNN's linear layers (float32 results equal to about 1e-6; the setting
+``native_kernels = false`` chooses them).
+
+The kernels split their work with ``at::parallel_for``, which runs on torch's OpenMP threads only when the
+extension is compiled with ``-fopenmp`` (without it, ATen's header runs the loop on the calling thread); where
+the compiler has no OpenMP, they are built without it and run on one thread.
 """
 
 from __future__ import annotations
@@ -22,7 +29,10 @@ __all__ = ["cache_dir", "native_ops"]
 
 log = logging.getLogger("ringstream.engine")
 
-SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "gemm.cpp", CSRC / "elementwise.cpp"]
+HEADERS = [CSRC / "exp_avx2.h"]
+OPENMP_FLAGS = ("-fopenmp",)
 
 
 def cache_dir() -> Path:
@@ -41,24 +51,46 @@ def native_ops():
     flags = ["-O3", "-std=c++17"]
     if capability in ("AVX2", "AVX512"):
         flags += ["-mavx2", "-mfma", "-mf16c"]
-    name = f"ringstream_kernels_{capability.lower()}"
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(flags).encode()
-                            + torch.__version__.encode()).hexdigest()[:16]
-    kept = cache_dir() / f"{name}-{digest}.so"
     try:
-        if not kept.is_file():
-            from torch.utils import cpp_extension
-
-            cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=flags,
-                               is_python_module=False, verbose=False)
-            built = Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so"
-            kept.parent.mkdir(parents=True, exist_ok=True)
-            partial = kept.with_suffix(f".{os.getpid()}.tmp")
-            shutil.copyfile(built, partial)
-            os.replace(partial, kept)  # atomic: a concurrent worker sees the whole file or none
-        else:
-            torch.ops.load_library(str(kept))
+        try:
+            _load(capability, flags + list(OPENMP_FLAGS), list(OPENMP_FLAGS))
+        except Exception as exc:
+            if "openmp" not in str(exc).lower() and "omp" not in str(exc).lower():
+                raise
+            log.warning("native CPU kernels built without OpenMP (one thread): %s", str(exc).splitlines()[0])
+            _load(capability, flags, [])
     except Exception as exc:  # no compiler, no ninja, a failed build: serve without the kernels
         log.warning("native CPU kernels unavailable, using the pure-torch attention: %s", str(exc).splitlines()[0])
         return None
     return torch.ops.ringstream
+
+
+def _registered() -> bool:
+    """Whether this process has the kernels' operators registered already (a library loaded before)."""
+    try:
+        torch.ops.ringstream.paged_decode
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _load(capability: str, cflags: list[str], ldflags: list[str]) -> None:
+    """Load the kept library for these sources and flags, or build and keep it (raises what the build raises)."""
+    name = f"ringstream_kernels_{capability.lower()}{'_omp' if ldflags else ''}"
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join(cflags + ldflags).encode()
+                            + torch.__version__.encode()).hexdigest()[:16]
+    kept = cache_dir() / f"{name}-{digest}.so"
+    if kept.is_file():
+        if not _registered():  # a second library registering the same operators aborts the process
+            torch.ops.load_library(str(kept))
+        return
+    from torch.utils import cpp_extension
+
+    # copies: load() appends torch's own flags to the lists it is given
+    cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(cflags),
+                       extra_ldflags=list(ldflags), is_python_module=False, verbose=False)
+    built = Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so"
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    partial = kept.with_suffix(f".{os.getpid()}.tmp")
+    shutil.copyfile(built, partial)
+    os.replace(partial, kept)  # atomic: a concurrent worker sees the whole file or none

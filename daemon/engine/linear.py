@@ -1,35 +1,73 @@
-"""Linear layers with their weights packed once for oneDNN (CPU), as vLLM's CPU path does.
+"""Linear layers with their weights packed once (CPU, float32), as vLLM's CPU path does.
 
-``torch.nn.Linear`` on CPU calls the BLAS ``sgemm`` with the weight in its stored layout at every call; oneDNN's
-matmul reads a weight reordered once into its blocked layout (``AB16b64a`` on AVX2) and runs its JIT
-``brg_matmul`` kernels. Measured on a 2-core AMD EPYC, torch 2.13, float32 ``[16, 768] x [768, 2048]``: 1.3-1.6x
-faster than ``F.linear``, about 1.2x at 300 rows. :func:`pack_linears` swaps a model's ``nn.Linear`` modules for
-:class:`PackedLinear`; the stored weights stay as they are (tied embeddings keep working) and the packed copy is
-what the forward reads.
+``torch.nn.Linear`` on CPU calls the BLAS ``sgemm`` with the weight in its stored layout at every call. A weight
+packed once reads faster: :func:`pack_linears` swaps a model's float32 ``nn.Linear`` modules for
+:class:`PackedLinear`, whose packed copy is what the forward reads; the stored weights stay where another module
+shares them (tied embeddings keep working) and are released otherwise. Two packings:
 
-Source: vLLM ``vllm/model_executor/layers/utils.py`` (``dispatch_cpu_unquantized_gemm``: oneDNN matmul over a
-prepacked weight); the packing ops are PyTorch's ``mkldnn._reorder_linear_weight`` / ``mkldnn._linear_pointwise``
-(what inductor's weight freezing emits on CPU).
+- the engine's own kernel (``csrc/gemm.cpp``, ``torch.ops.ringstream.packed_linear``: 16-column panels, a 6 x 16
+  AVX2 register block), where the native kernels are built: on a 2-core AMD EPYC, 2 threads, weights streamed
+  from memory as in a decode step, 1.6-1.8x oneDNN at 16 rows, 1.3-1.4x at 32, 1.1x at 64, 0.9-1.3x at
+  128-1,024 rows (``tools/bench_engine.py`` and ``ringstream-bench vllm`` give the engine-level figures);
+- oneDNN (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, the weight reordered into its
+  blocked layout and run by its JIT ``brg_matmul`` kernels; what inductor's weight freezing emits on CPU):
+  1.3-1.6x ``F.linear`` at 16 rows, about 1.2x at 300, on the same host. Used where the native kernels are not.
+
+Sibling projections that read the same input (``q_proj`` / ``k_proj`` / ``v_proj`` of an attention block,
+``gate_proj`` / ``up_proj`` of a gated MLP) are packed as one weight, as vLLM's ``QKVParallelLinear`` and
+``MergedColumnParallelLinear`` hold them: one GEMM over the concatenated weight, whose output columns each member
+returns as its slice (:class:`FusedLinearGroup`): fewer passes over the input, fewer and wider kernels.
+
+Source: vLLM ``vllm/model_executor/layers/utils.py`` (``dispatch_cpu_unquantized_gemm``: a matmul over a
+prepacked weight) and ``vllm/model_executor/layers/linear.py`` (the merged projections).
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
-__all__ = ["PackedLinear", "pack_linears"]
+__all__ = ["FUSED_GROUPS", "FusedLinearGroup", "FusedLinearSlice", "LinearKernel", "PackedLinear", "pack_linears"]
 
 BATCH_HINT = 16
-"""Rows the packed layout is chosen for (any row count runs; it only tunes the blocking)."""
+"""Rows oneDNN's packed layout is chosen for (any row count runs; it only tunes the blocking)."""
+
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Names of sibling projections that read one input in every supported family (Hugging Face's module names)."""
+
+
+class LinearKernel:
+    """How packed weights are made and applied: ``pack(W [N, K]) -> packed`` and
+    ``apply(x [..., K], packed, bias [N] or None, N) -> [..., N]``.
+
+    ``LinearKernel.native(ops)`` uses the engine's kernel (``ops`` is ``torch.ops.ringstream`` with it loaded),
+    ``LinearKernel.onednn()`` PyTorch's oneDNN ops.
+    """
+
+    def __init__(self, name: str, pack: Callable, apply: Callable) -> None:
+        self.name, self.pack, self.apply = name, pack, apply
+
+    @classmethod
+    def native(cls, ops) -> "LinearKernel":
+        return cls("native", ops.pack_linear_weight,
+                   lambda x, packed, bias, n: ops.packed_linear(x, packed, bias, n))
+
+    @classmethod
+    def onednn(cls, batch_hint: int = BATCH_HINT) -> "LinearKernel":
+        return cls("onednn", lambda w: torch.ops.mkldnn._reorder_linear_weight(w, batch_hint),
+                   lambda x, packed, bias, n: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""))
 
 
 class PackedLinear(nn.Module):
-    """``y = x W^T + b`` over a oneDNN-packed copy of ``W``; ``x [..., in_features]`` -> ``[..., out_features]``."""
+    """``y = x W^T + b`` over a packed copy of ``W``; ``x [..., in_features]`` -> ``[..., out_features]``."""
 
-    def __init__(self, linear: nn.Linear, keep_weight: bool, batch_hint: int = BATCH_HINT) -> None:
+    def __init__(self, linear: nn.Linear, keep_weight: bool, kernel: LinearKernel) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+        self.kernel = kernel
+        self.packed = kernel.pack(linear.weight.detach())
         # A weight shared with another module (tied embeddings) stays; any other is released, so the packed copy
         # does not double the weights' memory. Its place holds an empty tensor of the same dtype and device, for
         # code that reads ``weight.dtype`` / ``weight.device``.
@@ -37,24 +75,105 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return self.kernel.apply(x, self.packed, self.bias, self.out_features)
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every float32 ``nn.Linear`` of ``model`` (on CPU) by a :class:`PackedLinear`, releasing the weights
-    no other module shares; returns how many.
+class FusedLinearGroup:
+    """One packed GEMM for sibling linears that read the same input.
 
-    Does nothing (returns 0) where PyTorch was built without oneDNN.
+    ``output(i, x)`` returns member ``i``'s ``x W_i^T + b_i`` (a column slice of the fused output, shape
+    ``[..., out_features_i]``). The first member called with an input computes every member's output; the others
+    then take theirs without a GEMM while the input is the same tensor object, unchanged (outside inference mode
+    its version counter guards against an in-place write in between; inference tensors have none, and the
+    families' forwards write no projection input in place). A member called with any other input computes
+    afresh, so call order never changes results: only how many GEMMs run.
     """
-    if not torch.backends.mkldnn.is_available():
+
+    def __init__(self, linears: list[nn.Linear], kernel: LinearKernel) -> None:
+        self.kernel = kernel
+        self.packed = kernel.pack(torch.cat([linear.weight.detach() for linear in linears]))
+        if any(linear.bias is not None for linear in linears):
+            self.bias = torch.cat([linear.bias.detach() if linear.bias is not None
+                                   else linear.weight.new_zeros(linear.out_features) for linear in linears])
+        else:
+            self.bias = None
+        self.splits = [linear.out_features for linear in linears]
+        self.out_features = sum(self.splits)
+        self._input: torch.Tensor | None = None
+        self._version = -1
+        self._pending: dict[int, torch.Tensor] = {}
+
+    def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        version = -1 if x.is_inference() else x._version
+        if index not in self._pending or self._input is not x or version != self._version:
+            fused = self.kernel.apply(x, self.packed, self.bias, self.out_features)
+            self._pending = dict(enumerate(fused.split(self.splits, dim=-1)))
+            self._input, self._version = x, version
+        out = self._pending.pop(index)
+        if not self._pending:
+            self._input = None  # every member served: hold no activation past the block
+        return out
+
+
+class FusedLinearSlice(nn.Module):
+    """Member ``index`` of a :class:`FusedLinearGroup`, in the place of its ``nn.Linear``."""
+
+    def __init__(self, linear: nn.Linear, group: FusedLinearGroup, index: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.group, self.index = group, index
+        if index == 0:  # one member holds the packed weight, so that module traversals see it once
+            self.register_buffer("packed", group.packed, persistent=False)
+        self.weight = nn.Parameter(linear.weight.new_empty(0), requires_grad=False)
+        self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.output(self.index, x)
+
+
+def _packable(module: nn.Module) -> bool:
+    return (type(module) is nn.Linear and module.weight.device.type == "cpu"
+            and module.weight.dtype == torch.float32)
+
+
+def pack_linears(model: nn.Module, ops=None, fuse: bool = True) -> int:
+    """Replace every float32 ``nn.Linear`` of ``model`` (on CPU) by a :class:`PackedLinear`, and each group of
+    :data:`FUSED_GROUPS` siblings with one input size and no shared weight by :class:`FusedLinearSlice` members of
+    one :class:`FusedLinearGroup` (``fuse=False``: no groups), releasing the weights no other module shares;
+    returns how many modules were replaced.
+
+    ``ops``: ``torch.ops.ringstream`` with the native kernels loaded (from ``kernels.native_ops()``) to use the
+    engine's GEMM; None for oneDNN's. Does nothing (returns 0) with neither (PyTorch built without oneDNN).
+    """
+    if ops is not None:
+        kernel = LinearKernel.native(ops)
+    elif torch.backends.mkldnn.is_available():
+        kernel = LinearKernel.onednn()
+    else:
         return 0
     uses: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         uses[param.data_ptr()] = uses.get(param.data_ptr(), 0) + 1
+
+    def shared(linear: nn.Linear) -> bool:
+        return uses.get(linear.weight.data_ptr(), 0) > 1
+
     swapped = 0
     for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype == torch.float32:
-                setattr(parent, name, PackedLinear(child, keep_weight=uses.get(child.weight.data_ptr(), 0) > 1))
+        children = dict(parent.named_children())
+        for names in FUSED_GROUPS if fuse else ():
+            members = [children.get(name) for name in names]
+            if not all(m is not None and _packable(m) and not shared(m) for m in members):
+                continue
+            if len({m.in_features for m in members}) != 1:
+                continue
+            group = FusedLinearGroup(members, kernel)
+            for index, (name, member) in enumerate(zip(names, members)):
+                setattr(parent, name, FusedLinearSlice(member, group, index))
+                del children[name]
+                swapped += 1
+        for name, child in children.items():
+            if _packable(child):
+                setattr(parent, name, PackedLinear(child, keep_weight=shared(child), kernel=kernel))
                 swapped += 1
     return swapped

@@ -7,6 +7,8 @@ import importlib.util
 import logging
 import random
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from torch import nn
 
 from ringstream.daemon.engine import kernels
 from ringstream.daemon.engine.engine import Engine, EngineConfig, EngineRequest, SamplingParams
-from ringstream.daemon.engine.linear import PackedLinear, pack_linears
+from ringstream.daemon.engine.linear import FusedLinearSlice, LinearKernel, PackedLinear, pack_linears
 from tests.factories import load_model, load_tokenizer, make_tiny_model_dir
 
 BUILDABLE = shutil.which("c++") is not None and importlib.util.find_spec("ninja") is not None
@@ -109,10 +111,18 @@ def test_an_unbuildable_kernel_falls_back_with_a_warning(monkeypatch, caplog, tm
     assert not list(tmp_path.iterdir())  # no library kept
 
 
-def test_a_kept_library_is_loaded_without_a_build(ops, monkeypatch):
-    from torch.utils import cpp_extension
-    monkeypatch.setattr(cpp_extension, "load", lambda **_: pytest.fail("rebuilt a kept library"))
-    assert kernels.native_ops.__wrapped__() is torch.ops.ringstream
+@pytest.mark.e2e
+def test_a_kept_library_is_loaded_without_a_build(ops):
+    # a fresh interpreter, as a worker starting after the first: it finds the library this session built
+    probe = ("from torch.utils import cpp_extension\n"
+             "def no_build(**_): raise SystemExit('rebuilt a kept library')\n"
+             "cpp_extension.load = no_build\n"
+             "from ringstream.daemon.engine.kernels import native_ops\n"
+             "ops = native_ops()\n"
+             "assert ops is not None and ops.packed_linear is not None and ops.paged_decode is not None\n"
+             "print('loaded')\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "loaded", done.stderr[-2000:]
 
 
 def test_packed_linear_equals_linear_and_keeps_only_shared_weights():
@@ -131,6 +141,94 @@ def test_packed_linear_equals_linear_and_keeps_only_shared_weights():
     torch.testing.assert_close(model.head(x), want_head, atol=1e-4, rtol=1e-4)
     assert model.head.weight is model[0].weight  # shared with the embedding: kept
     assert model[1].weight.numel() == 0 and model[1].weight.dtype == torch.float32  # released, dtype kept
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 16, 97, 200])
+@pytest.mark.parametrize("out_features,bias", [(1, True), (16, False), (24, True), (50, True), (1000, False), (96, True)])
+def test_native_linear_is_as_accurate_as_linear(ops, rows, out_features, bias):
+    torch.manual_seed(rows * 1000 + out_features)
+    in_features = 67  # not a multiple of 8 or 16
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    x = torch.randn(rows, in_features)
+    packed = ops.pack_linear_weight(linear.weight.detach())
+    assert packed.shape == ((out_features + 23) // 24, in_features, 24)
+    got = ops.packed_linear(x, packed, linear.bias, out_features)
+    exact = F.linear(x.double(), linear.weight.double(), None if linear.bias is None else linear.bias.double())
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    if rows:
+        torch_error = (F.linear(x, linear.weight, linear.bias).double() - exact).abs().max().item()
+        assert (got.double() - exact).abs().max().item() <= 4 * torch_error + 1e-6
+
+
+def test_native_linear_takes_any_leading_shape_and_strides(ops):
+    torch.manual_seed(1)
+    weight, bias = torch.randn(40, 24), torch.randn(40)
+    packed = ops.pack_linear_weight(weight)
+    x = torch.randn(2, 5, 48)[..., ::2]  # [2, 5, 24], not contiguous
+    got = ops.packed_linear(x, packed, bias, 40)
+    assert got.shape == (2, 5, 40)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+
+
+def test_native_linear_refuses_what_it_cannot_compute(ops):
+    packed = ops.pack_linear_weight(torch.randn(20, 8))
+    with pytest.raises(RuntimeError, match="last dimension must be 8"):
+        ops.packed_linear(torch.randn(3, 9), packed, None, 20)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        ops.packed_linear(torch.randn(3, 8, dtype=torch.bfloat16), packed, None, 20)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        ops.packed_linear(torch.randn(3, 8), packed, None, 40)
+    with pytest.raises(RuntimeError, match="bias must be float32"):
+        ops.packed_linear(torch.randn(3, 8), packed, torch.randn(19), 20)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        ops.pack_linear_weight(torch.randn(4, 4, dtype=torch.float16))
+
+
+class Block(nn.Module):
+    """Shaped like an attention block and a gated MLP: the sibling names pack_linears fuses."""
+
+    def __init__(self, hidden: int = 32) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj = nn.Linear(hidden, 48, bias=True), nn.Linear(hidden, 16, bias=False)
+        self.v_proj = nn.Linear(hidden, 16, bias=True)
+        self.gate_proj, self.up_proj = nn.Linear(hidden, 40, bias=False), nn.Linear(hidden, 40, bias=False)
+        self.o_proj = nn.Linear(48, hidden)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_fused_siblings_give_each_member_its_own_output_in_any_order(ops, native, monkeypatch):
+    torch.manual_seed(2)
+    block = Block()
+    x, other = torch.randn(3, 32), torch.randn(3, 32)
+    names = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "o_proj"]
+    want = {name: getattr(block, name)(x if name != "o_proj" else torch.randn(3, 48)) for name in names[:5]}
+    want_other = {name: getattr(block, name)(other) for name in names[:5]}
+    gate_weight = block.gate_proj.weight.detach().clone()
+    assert pack_linears(block, ops if native else None) == 6
+    assert all(isinstance(getattr(block, n), FusedLinearSlice) for n in names[:5])
+    assert isinstance(block.o_proj, PackedLinear)
+    group = block.q_proj.group
+    assert group.kernel.name == ("native" if native else "onednn")
+    calls = []
+    apply = group.kernel.apply
+    monkeypatch.setattr(group.kernel, "apply", lambda *a: calls.append(1) or apply(*a))
+    close = dict(atol=1e-5, rtol=1e-5)
+    for order in (["q_proj", "k_proj", "v_proj"], ["v_proj", "q_proj", "k_proj"]):
+        calls.clear()
+        for name in order:
+            torch.testing.assert_close(getattr(block, name)(x), want[name], **close)
+        assert len(calls) == 1  # one GEMM for the three
+    calls.clear()
+    torch.testing.assert_close(block.q_proj(x), want["q_proj"], **close)
+    torch.testing.assert_close(block.k_proj(other), want_other["k_proj"], **close)  # another input: computed
+    torch.testing.assert_close(block.v_proj(x), want["v_proj"], **close)  # x again: computed
+    torch.testing.assert_close(block.q_proj(x), want["q_proj"], **close)  # served by v_proj's GEMM
+    assert len(calls) == 3
+    calls.clear()
+    torch.testing.assert_close(block.up_proj(x), want["up_proj"], **close)
+    x.add_(1.0)  # written in place between the siblings: the stale output is not served
+    torch.testing.assert_close(block.gate_proj(x), F.linear(x, gate_weight), **close)
+    assert len(calls) == 2
 
 
 @pytest.fixture(scope="module")
@@ -159,3 +257,61 @@ def test_engine_tokens_are_the_same_with_and_without_the_fast_paths(ops, tiny):
     plain = greedy_outputs(load_model(model_dir), tokenizer, native=False)
     fast = greedy_outputs(load_model(model_dir), tokenizer, native=True)
     assert fast == plain and all(len(tokens) == 24 for tokens in fast.values())
+
+
+@pytest.mark.parametrize("rows,hidden", [(0, 8), (1, 768), (5, 67), (33, 256)])
+def test_rms_norm_equals_llamas(ops, rows, hidden):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    torch.manual_seed(rows + hidden)
+    norm = LlamaRMSNorm(hidden, eps=1e-5)
+    norm.weight.data = torch.randn(hidden)
+    x = torch.randn(2, rows, hidden) * 3
+    torch.testing.assert_close(ops.rms_norm(x, norm.weight, norm.variance_epsilon), norm(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("width", [2, 14, 16, 4096])
+def test_silu_and_mul_equals_the_gated_activation(ops, width):
+    torch.manual_seed(width)
+    y = torch.randn(3, 5, width) * 8  # both signs, large magnitudes: the exp's range
+    y[0, 0, 0] = -100.0  # silu underflows to -0, not NaN
+    gate, up = y.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    got = ops.silu_and_mul(y)
+    assert got.shape == want.shape and not got.isnan().any()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_elementwise_kernels_refuse_what_they_cannot_compute(ops):
+    with pytest.raises(RuntimeError, match="last dimension must be even"):
+        ops.silu_and_mul(torch.randn(2, 5))
+    with pytest.raises(RuntimeError, match="weight must be \\[8\\]"):
+        ops.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
+    with pytest.raises(RuntimeError, match="must be float32"):
+        ops.rms_norm(torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(8), 1e-6)
+
+
+def _model(config_class, model_class, **extra):
+    torch.manual_seed(4)
+    config = config_class(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, vocab_size=300, **extra)
+    return model_class(config).eval()
+
+
+def test_fuse_elementwise_takes_llamas_formula_only_and_keeps_the_logits(ops):
+    from transformers import Gemma3TextConfig, Gemma3ForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, \
+        Qwen3ForCausalLM
+    from ringstream.daemon.engine.fused import fuse_elementwise
+    ids = torch.randint(0, 300, (2, 11))
+    counts = {}
+    for name, model in (("llama", _model(LlamaConfig, LlamaForCausalLM)),
+                        ("qwen3", _model(Qwen3Config, Qwen3ForCausalLM)),
+                        ("gemma3", _model(Gemma3TextConfig, Gemma3ForCausalLM))):
+        with torch.no_grad():
+            want = model(ids).logits
+        pack_linears(model, ops)
+        counts[name] = fuse_elementwise(model, ops)
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, want, atol=1e-4, rtol=1e-4)
+    # Llama: 2 norms + the MLP per layer, the final norm; Qwen3 adds q_norm / k_norm; Gemma's (1 + weight) norms
+    # and tanh-GELU MLP keep their own forwards
+    assert counts == {"llama": 7, "qwen3": 11, "gemma3": 0}

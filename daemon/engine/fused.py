@@ -1,0 +1,97 @@
+"""Fused elementwise steps for the decoder layers that compute them exactly as Llama's modules do (CPU, float32).
+
+A Hugging Face RMSNorm is six tensor ops (``to``, ``pow``, ``mean``, ``add``, ``rsqrt``, two ``mul``), each a
+pass over memory and a dispatch; the gated MLP's ``act_fn(gate_proj(x)) * up_proj(x)`` two more after the
+projections. :func:`fuse_elementwise` gives such modules a forward that calls the engine's native kernels
+(``torch.ops.ringstream.rms_norm`` and ``silu_and_mul``, ``csrc/elementwise.cpp``) instead, as vLLM's model
+definitions call its ``RMSNorm`` and ``SiluAndMul`` custom ops.
+
+Which modules: those whose class's ``forward`` is, token for token, Llama's (``LlamaRMSNorm.forward``,
+``LlamaMLP.forward``): transformers' modular model files copy these into Mistral, Qwen2, Qwen3, and others, so
+the check follows the code rather than a list of class names. A family that changes the formula (Gemma's
+``1 + weight``, a bias, another activation) keeps its own forward. Results equal the modules' to float32
+rounding (the sum of squares is accumulated in another order).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import io
+import tokenize
+import types
+
+import torch
+from torch import nn
+
+from ringstream.daemon.engine.linear import FusedLinearSlice
+
+__all__ = ["fuse_elementwise"]
+
+
+def _tokens(function) -> tuple[str, ...] | None:
+    """The source tokens of ``function``, comments and layout dropped; None where the source cannot be read."""
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return None
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING}
+    try:
+        return tuple(tok.string for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+                     if tok.type not in skip)
+    except (tokenize.TokenError, IndentationError):
+        return None
+
+
+@functools.cache
+def _reference_tokens() -> dict[str, tuple[str, ...] | None]:
+    from transformers.models.llama import modeling_llama
+
+    return {"norm": _tokens(modeling_llama.LlamaRMSNorm.forward), "mlp": _tokens(modeling_llama.LlamaMLP.forward)}
+
+
+@functools.cache
+def _same_forward(cls: type, kind: str) -> bool:
+    reference = _reference_tokens()[kind]
+    return reference is not None and _tokens(cls.forward) == reference
+
+
+def _is_silu(module: nn.Module) -> bool:
+    return isinstance(module, nn.SiLU) or type(module).__name__ == "SiLUActivation"
+
+
+def _norm_forward(ops, module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    if hidden_states.dtype != torch.float32:  # only float32 is fused: other inputs take the module's own math
+        return type(module).forward(module, hidden_states)
+    return ops.rms_norm(hidden_states, module.weight, module.variance_epsilon)
+
+
+def _mlp_forward(ops, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    group = module.gate_proj.group
+    fused = group.kernel.apply(x, group.packed, group.bias, group.out_features)  # [..., gate | up]
+    return module.down_proj(ops.silu_and_mul(fused))
+
+
+def fuse_elementwise(model: nn.Module, ops) -> int:
+    """Give ``model``'s Llama-exact RMSNorm modules (float32 weight) and gated SiLU MLPs (whose ``gate_proj`` and
+    ``up_proj`` are one :class:`~ringstream.daemon.engine.linear.FusedLinearGroup`, in that order, after
+    ``pack_linears``) forwards over ``ops`` (``torch.ops.ringstream`` with the native kernels); returns how many
+    modules were changed. Nothing else changes: weights, names and state dicts stay as they were.
+    """
+    changed = 0
+    for module in model.modules():
+        cls = type(module)
+        if ("RMSNorm" in cls.__name__ and isinstance(getattr(module, "weight", None), torch.Tensor)
+                and module.weight.dtype == torch.float32 and module.weight.dim() == 1
+                and isinstance(getattr(module, "variance_epsilon", None), float) and _same_forward(cls, "norm")):
+            module.forward = types.MethodType(functools.partial(_norm_forward, ops), module)
+            changed += 1
+        elif (isinstance(getattr(module, "gate_proj", None), FusedLinearSlice)
+              and isinstance(getattr(module, "up_proj", None), FusedLinearSlice)
+              and module.gate_proj.group is module.up_proj.group
+              and (module.gate_proj.index, module.up_proj.index) == (0, 1)
+              and module.gate_proj.out_features == module.up_proj.out_features
+              and _is_silu(getattr(module, "act_fn", None)) and _same_forward(cls, "mlp")):
+            module.forward = types.MethodType(functools.partial(_mlp_forward, ops), module)
+            changed += 1
+    return changed
