@@ -51,6 +51,8 @@ import urllib.request
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import msgspec
+
 PROG = "ringstream-bench vllm"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL_DIR = REPO_ROOT / "daemon" / "default_model"
@@ -357,6 +359,8 @@ class Settings:
     vllm_args: tuple[str, ...] = ()
     vllm_env: tuple[tuple[str, str], ...] = ()
     """More environment variables for vLLM's server (e.g. ``LD_PRELOAD`` of an OpenMP runtime)."""
+    ringstream_settings: tuple[tuple[str, object], ...] = ()
+    """More settings of ringstream's config file (``NAME=VALUE``, the value a TOML literal), e.g. ``max_step_ms``."""
     warmup_requests: int = WARMUP_REQUESTS
     seed: int = 0
 
@@ -438,7 +442,7 @@ class RingstreamServer(Server):
         try:
             tmp = Path(self._stack.enter_context(tempfile.TemporaryDirectory(prefix="rs-bench-")))
             self.config = {"worker_threads": self.settings.threads, "dtype": "float32",
-                           "max_num_seqs": self.settings.concurrency}
+                           "max_num_seqs": self.settings.concurrency} | dict(self.settings.ringstream_settings)
             config_path = write_config(tmp, self.config)
             args = ["--config", str(config_path), "--model", str(self.settings.model), "--devices", "cpu",
                     "--http", f"127.0.0.1:{self.port}", "--served-model-name", SERVED_MODEL_NAME,
@@ -1130,6 +1134,9 @@ def add_parser(sub) -> None:
     p.add_argument("--vllm-arg", action="append", default=[], help="one more argument for vLLM's server")
     p.add_argument("--vllm-env", action="append", default=[], metavar="NAME=VALUE",
                    help="one more environment variable for vLLM's server")
+    p.add_argument("--ringstream-setting", action="append", default=[], metavar="NAME=VALUE",
+                   help="one more setting of ringstream's config file, the value a TOML literal "
+                        "(e.g. max_step_ms=150)")
     p.add_argument("--log-dir", help="servers' and clients' logs and result files (default: a new folder "
                                      "under the temporary directory, kept)")
     p.add_argument("--warmup", type=int, default=WARMUP_REQUESTS, help="warm-up requests per workload")
@@ -1147,6 +1154,19 @@ def _shape_from_args(args: argparse.Namespace) -> ModelShape:
                       intermediate=args.intermediate, vocab=args.vocab, max_positions=args.max_positions).resolved()
 
 
+def parse_setting(item: str) -> tuple[str, object]:
+    """``NAME=VALUE`` -> ``(NAME, value)``, the value read as a TOML literal (``150``, ``true``, ``"text"``); raises
+    ValueError for another form. The daemon checks the name and the value when it reads the file."""
+    name, sep, value = item.partition("=")
+    if not sep or not name.strip():
+        raise ValueError(f"--ringstream-setting {item!r}: expected NAME=VALUE")
+    try:
+        parsed = msgspec.toml.decode(f"v = {value.strip()}")["v"]
+    except msgspec.DecodeError:
+        parsed = value.strip()  # a bare word: a string
+    return name.strip(), parsed
+
+
 def command(args: argparse.Namespace, command_line: str = PROG) -> int:
     """``ringstream-bench vllm``; returns the exit status (1 if a part failed, 2 for bad arguments)."""
     try:
@@ -1158,6 +1178,7 @@ def command(args: argparse.Namespace, command_line: str = PROG) -> int:
         vllm_env = tuple(tuple(item.split("=", 1)) for item in args.vllm_env)
         if any(len(pair) != 2 or not pair[0] for pair in vllm_env):
             raise ValueError(f"--vllm-env {args.vllm_env}: expected NAME=VALUE")
+        ringstream_settings = tuple(parse_setting(item) for item in args.ringstream_setting)
     except ValueError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
@@ -1184,7 +1205,7 @@ def command(args: argparse.Namespace, command_line: str = PROG) -> int:
                 max_model_len=max_model_len, kv_cache_bytes=args.kv_cache_bytes,
                 vllm_python=args.vllm_python or default_vllm_python(), servers=servers, client=args.client,
                 vllm_eager=args.vllm_eager, vllm_args=tuple(args.vllm_arg), vllm_env=vllm_env,
-                warmup_requests=args.warmup,
+                ringstream_settings=ringstream_settings, warmup_requests=args.warmup,
                 seed=args.seed)
             report = _run_command(settings, work, config, command_line, args)
             if args.json:

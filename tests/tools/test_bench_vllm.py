@@ -197,3 +197,14 @@ def test_ringstream_side_runs_with_the_builtin_client(tmp_path):
     assert row["completed"] == 4 and row["failed"] == 0 and row["output_tokens"] == 16 and row["tok_s"] > 0
     memory = report["memory"]["ringstream"]["tiny"]
     assert memory["peak_rss_mib"]["worker"] > 0 and memory["kv_pool_bytes"] > 0
+
+
+def test_ringstream_settings_parse_as_toml_literals_and_bad_forms_exit_2(capsys):
+    assert bench_vllm.parse_setting("max_step_ms=150") == ("max_step_ms", 150)
+    assert bench_vllm.parse_setting(" native_kernels = false") == ("native_kernels", False)
+    assert bench_vllm.parse_setting('dtype="bfloat16"') == ("dtype", "bfloat16")
+    assert bench_vllm.parse_setting("dtype=bfloat16") == ("dtype", "bfloat16")
+    with pytest.raises(ValueError, match="expected NAME=VALUE"):
+        bench_vllm.parse_setting("max_step_ms")
+    assert bench.main(["vllm", "--servers", "ringstream", "--ringstream-setting", "=3"]) == 2
+    assert "expected NAME=VALUE" in capsys.readouterr().err
