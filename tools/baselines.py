@@ -278,6 +278,17 @@ def hf_cb_num_blocks(workload: Workload, page_size: int) -> int:
     return workload.concurrency * (math.ceil(longest / page_size) + 1)
 
 
+def hf_cb_fields(fields: dict, config_class) -> dict:
+    """``fields`` in the spelling of this transformers' ``ContinuousBatchingConfig``: ``page_size`` (>= 5.18) is
+    ``block_size`` before."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(config_class)} if dataclasses.is_dataclass(config_class) else set()
+    if "page_size" in fields and "page_size" not in names and "block_size" in names:
+        fields["block_size"] = fields.pop("page_size")
+    return fields
+
+
 class HfContinuousBatching:
     """transformers' ``ContinuousBatchingManager`` on ``model``, started and warm; use as a context manager.
 
@@ -289,8 +300,8 @@ class HfContinuousBatching:
     def __init__(self, model, workload: Workload, settings: dict | None = None) -> None:
         from transformers import ContinuousBatchingConfig, GenerationConfig
 
-        fields = dict(HF_CB_SETTINGS if settings is None else settings)
-        fields.setdefault("num_blocks", hf_cb_num_blocks(workload, fields.get("page_size", 256)))
+        fields = hf_cb_fields(dict(HF_CB_SETTINGS if settings is None else settings), ContinuousBatchingConfig)
+        fields.setdefault("num_blocks", hf_cb_num_blocks(workload, fields.get("page_size", fields.get("block_size", 256))))
         self.settings = fields
         generation = GenerationConfig(
             do_sample=False, max_new_tokens=workload.max_tokens, eos_token_id=-1,

@@ -291,6 +291,16 @@ class _Report:
     systems: dict[str, dict] = field(default_factory=dict)
     records: dict[str, list[RequestRecord]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    parts_path: str | None = None
+    """Where each part appends its JSON line as it ends (``--parts``), so a run cut short keeps what it measured."""
+
+    def part_done(self, name: str, seconds: float) -> None:
+        if self.parts_path is None:
+            return
+        line = {"part": name, "seconds": round(seconds, 3), "result": self.systems.get(name),
+                "error": self.errors.get(name)}
+        with open(self.parts_path, "a", encoding="utf-8") as out:
+            out.write(json.dumps(line, default=str) + "\n")
 
 
 def _measure(report: _Report, name: str, repeats: int, run) -> None:
@@ -321,8 +331,9 @@ def _guard(report: _Report, name: str, action) -> None:
     except Exception as exc:  # any failure of one part must not lose the others' figures
         report.errors[name] = f"{type(exc).__name__}: {exc}"
         _log(f"{name} failed: {report.errors[name]}")
-        return
-    _log(f"{name} done in {time.perf_counter() - start:.1f} s")
+    else:
+        _log(f"{name} done in {time.perf_counter() - start:.1f} s")
+    report.part_done(name, time.perf_counter() - start)
 
 
 def _workload_spec(settings: CompareSettings, info) -> WorkloadSpec:
@@ -498,7 +509,7 @@ def _serving_parts(settings: CompareSettings, report: _Report, spec: WorkloadSpe
     from ringstream.tools.bench_serving import loadgen_ceiling, synthetic_engine_support, zmq_ceiling
 
     _guard(report, "daemon", lambda: _daemon_part(settings, report, "daemon", [], spec, settings.requests, False,
-                                                  settings.concurrency))
+                                                  settings.concurrency, {"max_num_seqs": settings.concurrency}))
     if not settings.on_cpu:
         skipped = "the serving layer alone does not depend on the device: see the CPU compare"
         for name in ("synthetic", "zmq", "loadgen"):
@@ -530,8 +541,12 @@ def _serving_parts(settings: CompareSettings, report: _Report, spec: WorkloadSpe
     _guard(report, "loadgen", loadgen)
 
 
-def compare(settings: CompareSettings, command: str = PROG) -> tuple[dict, dict[str, list[RequestRecord]]]:
+def compare(settings: CompareSettings, command: str = PROG,
+            parts_path: str | None = None) -> tuple[dict, dict[str, list[RequestRecord]]]:
     """Run every part of the comparison (see the module docstring).
+
+    ``parts_path``: a file each part appends one JSON line to as it ends (``{"part", "seconds", "result",
+    "error"}``), before the whole report exists.
 
     Returns ``(report, records)``: the JSON report (every key of
     :data:`REQUIRED_KEYS` among others) and, per system measured request by
@@ -549,7 +564,7 @@ def compare(settings: CompareSettings, command: str = PROG) -> tuple[dict, dict[
         info = resolve_model_dir(model_dir)
         settings = replace(settings, model=str(info.path))
         spec = _workload_spec(settings, info)
-        report = _Report()
+        report = _Report(parts_path=parts_path)
         machine = machine_info() | _device_info(settings.device)
         _in_process_parts(settings, report, info, spec)
         _serving_parts(settings, report, spec)
@@ -939,6 +954,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--max-model-len", type=int, help="context length of the engine and the daemon")
     cmp.add_argument("--capacity-tokens", type=int, help="sequence length of the KV capacity figure (default 2048)")
     cmp.add_argument("--json", help="write the report to this file")
+    cmp.add_argument("--parts", help="append one JSON line per part to this file as each part ends")
     cmp.add_argument("--plot", help="draw every system's latency CDFs and tokens/s over time (needs matplotlib)")
     return parser
 
@@ -998,7 +1014,7 @@ def _compare_command(args: argparse.Namespace, command: str) -> int:
     settings = replace(settings, **{k: v for k, v in overrides.items() if v is not None})
     if args.plot:
         _pyplot()
-    report, records = compare(settings, command)
+    report, records = compare(settings, command, parts_path=args.parts)
     print_compare(report)
     if args.json:
         _write_json(args.json, report)

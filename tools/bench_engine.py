@@ -31,6 +31,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import random
 import statistics
@@ -92,6 +93,11 @@ class LockstepKVCache:
         return self.keys[layer_idx][self.rows, :, :end], self.values[layer_idx][self.rows, :, :end]
 
 
+def cache_argument(model) -> str:
+    """The forward's name for the KV cache: ``cache`` (transformers >= 5.18) or ``past_key_values`` (before)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def bare_decode_loop(
     model, prompts: torch.Tensor, max_tokens: int, prefill_tokens: int
 ) -> tuple[torch.Tensor, float, list[float]]:
@@ -110,6 +116,7 @@ def bare_decode_loop(
     prompts = prompts.to(device)
     with torch.inference_mode():
         cache = LockstepKVCache(model.config, batch, prompt_len + max_tokens, dtype, device)
+        cache_arg = {cache_argument(model): cache}
         causal = torch.full((prompt_len, prompt_len), float("-inf"), dtype=dtype, device=device).triu_(1)
         decode_mask = torch.zeros((1, 1, 1, prompt_len + max_tokens), dtype=dtype, device=device)
         generated = torch.empty((batch, max_tokens), dtype=torch.long, device=device)
@@ -122,7 +129,7 @@ def bare_decode_loop(
                 input_ids=prompts[cache.rows],
                 attention_mask=causal.view(1, 1, prompt_len, prompt_len),
                 position_ids=positions[cache.rows],
-                cache=cache,
+                **cache_arg,
                 logits_to_keep=1,
             ).logits[:, -1]
             generated[cache.rows, 0] = logits.argmax(dim=-1)
@@ -137,7 +144,7 @@ def bare_decode_loop(
                 input_ids=token.unsqueeze(1),
                 attention_mask=decode_mask[..., : cache.start + 1],
                 position_ids=position,
-                cache=cache,
+                **cache_arg,
             ).logits[:, -1]
             token = logits.argmax(dim=-1)
             generated[:, i] = token

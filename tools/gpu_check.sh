@@ -6,7 +6,8 @@
 #   3. ringstream-bench compare on a random-weight llama-3.2-1b (batch 64, 512-token prompts);
 #   4. ringstream-bench compare on a random-weight llama-3.1-8b at batches 64 and 256, max_model_len 32768,
 #      with the KV capacity in 2,048-token sequences;
-# each under a `timeout` (their limits add up to 470 s, and each is cut to what is left of that), writing its log and JSON to OUT (default ./gpu-check-out). A step that fails or
+# each under a `timeout` (a compare appends one JSON line per part to OUT/NAME.parts.jsonl as each part ends, so a
+# step cut at its limit keeps what it measured) (their limits add up to 470 s, and each is cut to what is left of that), writing its log and JSON to OUT (default ./gpu-check-out). A step that fails or
 # times out is recorded in OUT/summary.txt and the next one runs; the exit status is that of the first failure.
 #
 # Usage: tools/gpu_check.sh [--dry-run] [--wheels DIR] [--out DIR] [--device cuda:0]
@@ -19,7 +20,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d .whl \
-#     msgspec pyzmq setproctitle pytest-rerunfailures
+#     msgspec pyzmq setproctitle pytest-rerunfailures pytest-timeout
 #   python3 -m pip wheel --no-deps -w .whl .        # ringstream itself (pure Python)
 # Keep one version of each, and copy the folder to the GPU host with the checkout.
 set -uo pipefail
@@ -84,15 +85,18 @@ step install 45 bash -c "$PY -m pip install -q --no-index --no-deps --no-compile
     || { echo "gpu_check.sh: cannot install the wheels" >&2; [ "$DRY_RUN" = 1 ] || exit 1; }
 step env 15 bash -c "nvidia-smi; $PY -c 'import torch, transformers, ringstream; \
     print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0), transformers.__version__)'"
-step cuda-tests 75 "$PY" -m pytest -m cuda -q -p no:cacheprovider tests/cuda -rA
+# -W: pyproject's `timeout` option is unknown where pytest-timeout is missing, and its `filterwarnings = error`
+# would turn that config warning into an INTERNALERROR before any test is collected
+step cuda-tests 75 "$PY" -m pytest -m cuda -q -p no:cacheprovider -W ignore::pytest.PytestConfigWarning tests/cuda -rA
 step compare-llama-3.2-1b 100 "${BENCH[@]}" --model-config llama-3.2-1b --concurrency 64 --prompt-len 512 \
-    --max-tokens 64 --requests 128 --max-model-len 4096 --json "$OUT_DIR/compare-llama-3.2-1b.json"
+    --max-tokens 64 --requests 128 --max-model-len 4096 --json "$OUT_DIR/compare-llama-3.2-1b.json" \
+    --parts "$OUT_DIR/compare-llama-3.2-1b.parts.jsonl"
 step write-llama-3.1-8b 45 "$PY" -m ringstream.tools.model_configs --name llama-3.1-8b \
     --out "$MODELS/llama-3.1-8b" --device "$DEVICE"
 for batch in 64 256; do
     step "compare-llama-3.1-8b-b$batch" $((batch == 64 ? 90 : 100)) "${BENCH[@]}" --model "$MODELS/llama-3.1-8b" --concurrency "$batch" \
         --prompt-len 512 --max-tokens 64 --requests $((2 * batch)) --max-model-len 32768 --capacity-tokens 2048 \
-        --json "$OUT_DIR/compare-llama-3.1-8b-b$batch.json"
+        --json "$OUT_DIR/compare-llama-3.1-8b-b$batch.json" --parts "$OUT_DIR/compare-llama-3.1-8b-b$batch.parts.jsonl"
 done
 [ "$DRY_RUN" = 1 ] || rm -rf "$MODELS"
 [ "$DRY_RUN" = 1 ] || echo "gpu_check.sh: done in $((SECONDS - START))s, status $STATUS" | tee -a "$OUT_DIR/summary.txt"

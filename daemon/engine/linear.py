@@ -24,6 +24,7 @@ prepacked weight) and ``vllm/model_executor/layers/linear.py`` (the merged proje
 
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 import torch
@@ -86,7 +87,8 @@ class FusedLinearGroup:
     then take theirs without a GEMM while the input is the same tensor object, unchanged (outside inference mode
     its version counter guards against an in-place write in between; inference tensors have none, and the
     families' forwards write no projection input in place). A member called with any other input computes
-    afresh, so call order never changes results: only how many GEMMs run.
+    afresh, so call order never changes results: only how many GEMMs run. The pending outputs are kept per
+    thread, so forwards on several threads at once (``generate()`` in threads over one model) never meet.
     """
 
     def __init__(self, linears: list[nn.Linear], kernel: LinearKernel) -> None:
@@ -99,19 +101,19 @@ class FusedLinearGroup:
             self.bias = None
         self.splits = [linear.out_features for linear in linears]
         self.out_features = sum(self.splits)
-        self._input: torch.Tensor | None = None
-        self._version = -1
-        self._pending: dict[int, torch.Tensor] = {}
+        self._state = threading.local()  # per thread: a model may run forwards on several threads at once
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        state = self._state
         version = -1 if x.is_inference() else x._version
-        if index not in self._pending or self._input is not x or version != self._version:
+        pending = getattr(state, "pending", None)
+        if not pending or index not in pending or state.input is not x or version != state.version:
             fused = self.kernel.apply(x, self.packed, self.bias, self.out_features)
-            self._pending = dict(enumerate(fused.split(self.splits, dim=-1)))
-            self._input, self._version = x, version
-        out = self._pending.pop(index)
-        if not self._pending:
-            self._input = None  # every member served: hold no activation past the block
+            pending = state.pending = dict(enumerate(fused.split(self.splits, dim=-1)))
+            state.input, state.version = x, version
+        out = pending.pop(index)
+        if not pending:
+            state.input = None  # every member served: hold no activation past the block
         return out
 
 

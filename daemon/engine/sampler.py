@@ -192,7 +192,8 @@ def top_k_top_p_threshold(
     last = (in_nucleus.sum(dim=-1, keepdim=True) - 1).clamp(min=0)  # a top_p below float32's range: top token
     threshold = torch.where(p_on, torch.maximum(threshold, values.gather(1, last).squeeze(1)), threshold)
     uncovered = p_on & ~k_on & (cumulative[:, -1] < top_p)
-    if num_candidates < vocab and bool(uncovered.any()):
+    # p_without_k is known on the host: without such a row nothing is uncovered, and nothing is read back
+    if num_candidates < vocab and p_without_k and bool(uncovered.any()):
         rows = uncovered.nonzero().squeeze(1)
         threshold[rows] = top_k_top_p_threshold(
             logits[rows], top_k[rows], top_p[rows], candidates=num_candidates * CANDIDATE_GROWTH

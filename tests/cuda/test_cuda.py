@@ -7,6 +7,7 @@ JSON, one key per test.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import warnings
@@ -49,12 +50,16 @@ def _engine_and_reference(dtype: str):
     model = load_model(info, device=DEVICE, dtype=dtype)
     tokenizer = load_tokenizer(info)
     prompts = [tokenizer.encode(p).ids for p in PROMPTS]
+    no_eos = copy.deepcopy(model.generation_config)
+    no_eos.eos_token_id = None
+    no_eos.max_new_tokens, no_eos.do_sample, no_eos.pad_token_id = NEW_TOKENS, False, info.eos_token_ids[0]
     expected = []
     with torch.inference_mode():
         for prompt in prompts:
             ids = torch.tensor([prompt], device=DEVICE)
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                 min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=info.eos_token_ids[0])
+            # no EOS at all, as the engine's ignore_eos: min_new_tokens would mask EOS's logit instead, and a row
+            # whose greedy token is EOS would then differ from the engine's without either being wrong
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=no_eos)
             expected.append(out[0, len(prompt):].tolist())
     engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=len(prompts), max_model_len=256, device=DEVICE))
     return engine, prompts, expected

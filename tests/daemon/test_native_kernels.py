@@ -315,3 +315,36 @@ def test_fuse_elementwise_takes_llamas_formula_only_and_keeps_the_logits(ops):
     # Llama: 2 norms + the MLP per layer, the final norm; Qwen3 adds q_norm / k_norm; Gemma's (1 + weight) norms
     # and tanh-GELU MLP keep their own forwards
     assert counts == {"llama": 7, "qwen3": 11, "gemma3": 0}
+
+
+def test_fused_siblings_keep_each_threads_outputs_apart(ops):
+    import threading
+    torch.manual_seed(5)
+    block = Block()
+    inputs = [torch.randn(2, 32) for _ in range(2)]
+    want = [(block.q_proj(x), block.k_proj(x)) for x in inputs]
+    pack_linears(block, ops)
+    group = block.q_proj.group
+    apply, calls = group.kernel.apply, []
+    group.kernel.apply = lambda *a: calls.append(1) or apply(*a)
+    both_called_q = threading.Barrier(2)
+    got, errors = {}, []
+
+    def run(i):
+        try:
+            q = block.q_proj(inputs[i])
+            both_called_q.wait(timeout=10)  # the other thread's q_proj ran in between: its pending outputs too
+            got[i] = (q, block.k_proj(inputs[i]))
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors
+    assert len(calls) == 2  # one GEMM a thread: neither thread's q_proj displaced the other's pending k_proj
+    for i in range(2):
+        torch.testing.assert_close(got[i][0], want[i][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[i][1], want[i][1], atol=1e-5, rtol=1e-5)

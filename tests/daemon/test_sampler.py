@@ -200,3 +200,19 @@ def test_token_seed_is_distinct_and_in_range(seed):
     assert len(values) == 1000
     assert all(0 <= v < 2**64 for v in values)
     assert token_seed(seed, 0) != token_seed(seed + 1, 0)
+
+
+def test_known_limits_read_nothing_back_for_top_k_rows(monkeypatch):
+    # rows with top-k (some with top-p too) and no top-p row without top-k: on a device every host read is a sync
+    logits = torch.randn(4, VOCAB, generator=seeded(7))
+    top_k = torch.tensor([3, 5, 2, 4])
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.7])
+    want = top_k_top_p_threshold(logits, top_k, top_p)
+
+    def no_host_read(self):
+        raise AssertionError("a tensor was read back on the host")
+
+    monkeypatch.setattr(torch.Tensor, "__bool__", no_host_read)
+    got = top_k_top_p_threshold(logits, top_k, top_p, limits=(5, False))
+    monkeypatch.undo()
+    assert torch.equal(got, want)

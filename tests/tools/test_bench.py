@@ -298,3 +298,19 @@ def test_compare_serves_a_model_config_everywhere_with_the_roofline(tmp_path, ca
 def test_layers_without_a_model_config_is_an_error(capsys):
     assert bench.main(["compare", "--smoke", "--layers", "2"]) == 2
     assert "--model-config" in capsys.readouterr().err
+
+
+def test_each_part_appends_its_json_line_as_it_ends(tmp_path):
+    parts = tmp_path / "parts.jsonl"
+    report = bench._Report(parts_path=str(parts))
+    bench._guard(report, "engine", lambda: report.systems.update(engine={"tok_s": 12.5}))
+    assert json.loads(parts.read_text())["result"] == {"tok_s": 12.5}  # written before the next part starts
+
+    def fails():
+        raise RuntimeError("out of memory")
+
+    bench._guard(report, "daemon", fails)
+    lines = [json.loads(line) for line in parts.read_text().splitlines()]
+    assert [line["part"] for line in lines] == ["engine", "daemon"]
+    assert lines[0]["error"] is None and lines[1]["result"] is None
+    assert lines[1]["error"] == "RuntimeError: out of memory" and lines[1]["seconds"] >= 0

@@ -29,11 +29,11 @@ def test_dry_run_prints_every_step_within_the_budget(tmp_path):
     assert [re.match(r"\[(.+?)\]", line).group(1) for line in lines] == STEPS
     assert sum(int(re.search(r"timeout (\d+)s", line).group(1)) for line in lines) <= BUDGET_S
     assert "--no-index --no-deps" in lines[0] and "wheels-dir/*.whl" in lines[0]
-    assert "pytest -m cuda" in lines[2]
+    assert "pytest -m cuda" in lines[2] and "-W ignore::pytest.PytestConfigWarning" in lines[2]
     text = run.stdout
     assert "--model-config llama-3.2-1b --concurrency 64 --prompt-len 512" in text
     assert "--concurrency 256" in text and "--max-model-len 32768 --capacity-tokens 2048" in text
-    assert all("--device cuda:0" in line for line in lines if "bench compare" in line)
+    assert all("--device cuda:0" in line and ".parts.jsonl" in line for line in lines if "bench compare" in line)
     assert not out.exists()  # nothing ran
 
 
