@@ -24,7 +24,7 @@ import types
 import torch
 from torch import nn
 
-from ringstream.daemon.engine.linear import FusedLinearSlice
+from ringstream.daemon.engine.linear import FusedLinearSlice, refuse_autograd
 
 __all__ = ["fuse_elementwise"]
 
@@ -63,12 +63,13 @@ def _is_silu(module: nn.Module) -> bool:
 def _norm_forward(ops, module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     if hidden_states.dtype != torch.float32:  # only float32 is fused: other inputs take the module's own math
         return type(module).forward(module, hidden_states)
+    refuse_autograd(hidden_states, module.weight)
     return ops.rms_norm(hidden_states, module.weight, module.variance_epsilon)
 
 
 def _mlp_forward(ops, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     group = module.gate_proj.group
-    fused = group.kernel.apply(x, group.packed, group.bias, group.out_features)  # [..., gate | up]
+    fused = group.kernel.apply(x, group.packed, group.bias, group.out_features)  # [..., gate | up]; checks autograd
     return module.down_proj(ops.silu_and_mul(fused))
 
 

@@ -30,13 +30,22 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["FUSED_GROUPS", "FusedLinearGroup", "FusedLinearSlice", "LinearKernel", "PackedLinear", "pack_linears"]
+__all__ = ["FUSED_GROUPS", "FusedLinearGroup", "FusedLinearSlice", "LinearKernel", "PackedLinear", "pack_linears",
+           "refuse_autograd"]
 
 BATCH_HINT = 16
 """Rows oneDNN's packed layout is chosen for (any row count runs; it only tunes the blocking)."""
 
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Names of sibling projections that read one input in every supported family (Hugging Face's module names)."""
+
+
+def refuse_autograd(*tensors: torch.Tensor | None) -> None:
+    """Raise RuntimeError where autograd would record the native kernels, which have no backward (a gradient
+    would be silently missing). The engine runs under ``torch.inference_mode()``, where this never raises."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError("the engine's native kernels have no backward: run the model under "
+                           "torch.inference_mode() or torch.no_grad(), or build it with native_kernels = false")
 
 
 class LinearKernel:
@@ -52,8 +61,11 @@ class LinearKernel:
 
     @classmethod
     def native(cls, ops) -> "LinearKernel":
-        return cls("native", ops.pack_linear_weight,
-                   lambda x, packed, bias, n: ops.packed_linear(x, packed, bias, n))
+        def apply(x, packed, bias, n):
+            refuse_autograd(x, bias)
+            return ops.packed_linear(x, packed, bias, n)
+
+        return cls("native", ops.pack_linear_weight, apply)
 
     @classmethod
     def onednn(cls, batch_hint: int = BATCH_HINT) -> "LinearKernel":

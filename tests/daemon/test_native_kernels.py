@@ -348,3 +348,36 @@ def test_fused_siblings_keep_each_threads_outputs_apart(ops):
     for i in range(2):
         torch.testing.assert_close(got[i][0], want[i][0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got[i][1], want[i][1], atol=1e-5, rtol=1e-5)
+
+
+def test_native_linear_over_no_inputs_features_is_the_bias(ops):
+    weight, bias = torch.randn(30, 0), torch.randn(30)
+    packed = ops.pack_linear_weight(weight)
+    torch.testing.assert_close(ops.packed_linear(torch.randn(5, 0), packed, bias, 30), bias.expand(5, 30))
+    assert torch.equal(ops.packed_linear(torch.randn(5, 0), packed, None, 30), torch.zeros(5, 30))
+
+
+def test_silu_and_mul_below_exps_range_is_zero(ops):
+    gate = torch.tensor([-1e38, -1e36, -1000.0, -88.0, -87.0, -50.0, 0.0, 3.0])
+    got = ops.silu_and_mul(torch.cat([gate, torch.ones(8)]).unsqueeze(0))[0]
+    torch.testing.assert_close(got, F.silu(gate), atol=1e-30, rtol=1e-6)
+    scalar_tail = torch.cat([gate[:3], torch.ones(3)]).unsqueeze(0)  # fewer than 8: the scalar loop
+    torch.testing.assert_close(ops.silu_and_mul(scalar_tail)[0], F.silu(gate[:3]), atol=1e-30, rtol=1e-6)
+
+
+def test_native_paths_refuse_autograd_instead_of_dropping_gradients(ops):
+    from ringstream.daemon.engine.fused import fuse_elementwise
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model = _model(LlamaConfig, LlamaForCausalLM)
+    pack_linears(model, ops)
+    fuse_elementwise(model, ops)
+    ids = torch.randint(0, 300, (1, 5))
+    with pytest.raises(RuntimeError, match="no backward"):
+        model(ids)
+    x = torch.randn(2, 32, requires_grad=True)
+    block = Block()
+    pack_linears(block, ops)
+    with pytest.raises(RuntimeError, match="no backward"):
+        block.q_proj(x)
+    with torch.no_grad():
+        assert model(ids).logits.shape == (1, 5, 300) and block.q_proj(x).shape == (2, 48)

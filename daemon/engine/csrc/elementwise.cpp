@@ -77,11 +77,13 @@ at::Tensor silu_and_mul(const at::Tensor& input) {
         const __m256 g = _mm256_loadu_ps(gate + i);
         const __m256 e = exp_neg(_mm256_or_ps(g, sign));  // -|g|
         const __m256 num = _mm256_blendv_ps(g, _mm256_mul_ps(g, e), g);  // sign bit of g picks g * e
-        const __m256 s = _mm256_div_ps(num, _mm256_add_ps(one, e));
+        // below exp's range (g < -87) silu(g) is -0 to float32 precision; num would be g times exp's floor
+        const __m256 s = _mm256_and_ps(_mm256_div_ps(num, _mm256_add_ps(one, e)),
+                                       _mm256_cmp_ps(g, _mm256_set1_ps(-87.0f), _CMP_GE_OQ));
         _mm256_storeu_ps(orow + i, _mm256_mul_ps(s, _mm256_loadu_ps(up + i)));
       }
 #endif
-      for (; i < half; ++i) orow[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+      for (; i < half; ++i) orow[i] = gate[i] < -87.0f ? 0.0f : gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
     }
   });
   return out;

@@ -139,7 +139,12 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed, cons
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   at::Tensor out = at::empty(shape, x.options());
-  const int64_t M = K == 0 ? x.numel() : x.numel() / K;
+  if (K == 0) {  // an empty sum: the bias alone
+    out.zero_();
+    if (b != nullptr) out.add_(bias_c.narrow(0, 0, N));
+    return out;
+  }
+  const int64_t M = x.numel() / K;
   if (M == 0) return out;
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
