@@ -5,9 +5,9 @@ packed once reads faster: :func:`pack_linears` swaps a model's float32 ``nn.Line
 :class:`PackedLinear`, whose packed copy is what the forward reads; the stored weights stay where another module
 shares them (tied embeddings keep working) and are released otherwise. Two packings:
 
-- the engine's own kernel (``csrc/gemm.cpp``, ``torch.ops.ringstream.packed_linear``: 16-column panels, a 6 x 16
+- the engine's own kernel (``csrc/gemm.cpp``, ``torch.ops.ringstream.packed_linear``: 24-column panels, a 4 x 24
   AVX2 register block), where the native kernels are built: on a 2-core AMD EPYC, 2 threads, weights streamed
-  from memory as in a decode step, 1.6-1.8x oneDNN at 16 rows, 1.3-1.4x at 32, 1.1x at 64, 0.9-1.3x at
+  from memory as in a decode step, 1.4-1.8x oneDNN at 16 rows, 1.3-1.4x at 32, 1.1x at 64, on par at
   128-1,024 rows (``tools/bench_engine.py`` and ``ringstream-bench vllm`` give the engine-level figures);
 - oneDNN (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, the weight reordered into its
   blocked layout and run by its JIT ``brg_matmul`` kernels; what inductor's weight freezing emits on CPU):
@@ -150,10 +150,10 @@ def _packable(module: nn.Module) -> bool:
             and module.weight.dtype == torch.float32)
 
 
-def pack_linears(model: nn.Module, ops=None, fuse: bool = True) -> int:
+def pack_linears(model: nn.Module, ops=None) -> int:
     """Replace every float32 ``nn.Linear`` of ``model`` (on CPU) by a :class:`PackedLinear`, and each group of
     :data:`FUSED_GROUPS` siblings with one input size and no shared weight by :class:`FusedLinearSlice` members of
-    one :class:`FusedLinearGroup` (``fuse=False``: no groups), releasing the weights no other module shares;
+    one :class:`FusedLinearGroup`, releasing the weights no other module shares;
     returns how many modules were replaced.
 
     ``ops``: ``torch.ops.ringstream`` with the native kernels loaded (from ``kernels.native_ops()``) to use the
@@ -175,7 +175,7 @@ def pack_linears(model: nn.Module, ops=None, fuse: bool = True) -> int:
     swapped = 0
     for parent in list(model.modules()):
         children = dict(parent.named_children())
-        for names in FUSED_GROUPS if fuse else ():
+        for names in FUSED_GROUPS:
             members = [children.get(name) for name in names]
             if not all(m is not None and _packable(m) and not shared(m) for m in members):
                 continue
