@@ -143,15 +143,23 @@ def test_packed_linear_equals_linear_and_keeps_only_shared_weights():
     assert model[1].weight.numel() == 0 and model[1].weight.dtype == torch.float32  # released, dtype kept
 
 
-@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 16, 97, 200])
+def host_panels() -> list[int]:
+    """The panel widths this host runs: 24 (AVX2 or portable) everywhere, 48 where the CPU has AVX-512."""
+    return [24, 48] if torch.backends.cpu.get_cpu_capability() == "AVX512" else [24]
+
+
+@pytest.mark.parametrize("panel", [24, 48])
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 9, 16, 97, 200])
 @pytest.mark.parametrize("out_features,bias", [(1, True), (16, False), (24, True), (50, True), (1000, False), (96, True)])
-def test_native_linear_is_as_accurate_as_linear(ops, rows, out_features, bias):
+def test_native_linear_is_as_accurate_as_linear(ops, panel, rows, out_features, bias):
+    if panel not in host_panels():
+        pytest.skip(f"{panel}-column panels need AVX-512")
     torch.manual_seed(rows * 1000 + out_features)
     in_features = 67  # not a multiple of 8 or 16
     linear = nn.Linear(in_features, out_features, bias=bias)
     x = torch.randn(rows, in_features)
-    packed = ops.pack_linear_weight(linear.weight.detach())
-    assert packed.shape == ((out_features + 23) // 24, in_features, 24)
+    packed = ops.pack_linear_weight(linear.weight.detach(), panel)
+    assert packed.shape == ((out_features + panel - 1) // panel, in_features, panel)
     got = ops.packed_linear(x, packed, linear.bias, out_features)
     exact = F.linear(x.double(), linear.weight.double(), None if linear.bias is None else linear.bias.double())
     assert got.shape == (rows, out_features) and got.dtype == torch.float32
@@ -171,7 +179,7 @@ def test_native_linear_takes_any_leading_shape_and_strides(ops):
 
 
 def test_native_linear_refuses_what_it_cannot_compute(ops):
-    packed = ops.pack_linear_weight(torch.randn(20, 8))
+    packed = ops.pack_linear_weight(torch.randn(20, 8), 24)  # one panel: 40 features do not fit
     with pytest.raises(RuntimeError, match="last dimension must be 8"):
         ops.packed_linear(torch.randn(3, 9), packed, None, 20)
     with pytest.raises(RuntimeError, match="float32 only"):
@@ -182,6 +190,14 @@ def test_native_linear_refuses_what_it_cannot_compute(ops):
         ops.packed_linear(torch.randn(3, 8), packed, torch.randn(19), 20)
     with pytest.raises(RuntimeError, match="float32 only"):
         ops.pack_linear_weight(torch.randn(4, 4, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="24 or 48 columns wide, got 32"):
+        ops.pack_linear_weight(torch.randn(4, 4), 32)
+    with pytest.raises(RuntimeError, match="24 or 48 columns wide, got 16"):
+        ops.packed_linear(torch.randn(3, 4), torch.randn(1, 4, 16), None, 16)
+
+
+def test_the_host_default_panel_is_its_widest(ops):
+    assert ops.pack_linear_weight(torch.randn(50, 8)).size(2) == host_panels()[-1]
 
 
 class Block(nn.Module):
