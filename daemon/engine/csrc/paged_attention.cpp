@@ -2,7 +2,10 @@
 //
 // One query token per row attends its context, whose keys and values sit in the pool's blocks: no gather copy.
 // Each (row, KV head) pair is one task of at::parallel_for; the query heads that share the KV head (grouped-query
-// attention) are computed together, so each key and value row is read once for all of them. Scores and softmax
+// attention) are computed together, so each key and value row is read from memory once for all of them. The
+// context's rows are fetched kPrefetchRows positions ahead (keys into L1, values into L2 during the score pass),
+// since the hardware prefetcher loses the stream at every block boundary: on a 2-core Xeon, 16 rows x 316
+// positions x 12 layers (124 MB of float32 keys and values, cold), 16.1 ms -> 8.4 ms. Scores and softmax
 // in float32 (the pool may hold bfloat16 / float16), two passes over the context: scores, then the weighted sum
 // of values. The same algorithm as vLLM's CPU paged attention (csrc/cpu/attention.cpp), written for this pool
 // layout: per layer, keys [kv_heads, slots, head_dim] and values [kv_heads, slots, value_dim], slot =
@@ -20,6 +23,9 @@
 #include <vector>
 
 namespace {
+
+constexpr int64_t kPrefetchRows = 16;  // how far ahead (in context positions) rows are fetched
+constexpr bool kToL2 = true;
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -77,29 +83,43 @@ inline void softmax(float* s, int64_t n) {
   for (t = 0; t < n; ++t) s[t] *= inv;
 }
 
-// out[0:n] = sum over t of w[t] * v_t[0:n], the rows v_t found by row(t); accumulators kept in registers.
-template <typename T, typename Row>
-inline void weighted_sum(float* out, const float* w, int64_t count, int64_t n, Row row) {
+// Fetch the cache lines of n elements at p into L1 ahead of their use: the context's rows sit in blocks that the
+// hardware prefetcher cannot follow from one block to the next.
+template <typename T, bool kToL2 = false>
+inline void prefetch_row(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(c + b, kToL2 ? _MM_HINT_T1 : _MM_HINT_T0);
+}
+
+// out[g * out_stride + d] = sum over t of w[g * w_stride + t] * v_t[d] for G query heads at once, d < n, the rows
+// v_t found by row(t): each value row is read once for all G heads; accumulators kept in registers (G x 4).
+template <typename T, int G, typename Row>
+inline void weighted_sum(float* out, int64_t out_stride, const float* w, int64_t w_stride, int64_t count, int64_t n,
+                         Row row) {
   int64_t d = 0;
   for (; d + 32 <= n; d += 32) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    __m256 a[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < 4; ++j) a[g][j] = _mm256_setzero_ps();
     for (int64_t t = 0; t < count; ++t) {
       const T* v = row(t) + d;
-      const __m256 wv = _mm256_set1_ps(w[t]);
-      a0 = _mm256_fmadd_ps(wv, load8(v), a0);
-      a1 = _mm256_fmadd_ps(wv, load8(v + 8), a1);
-      a2 = _mm256_fmadd_ps(wv, load8(v + 16), a2);
-      a3 = _mm256_fmadd_ps(wv, load8(v + 24), a3);
+      if (t + kPrefetchRows < count) prefetch_row(row(t + kPrefetchRows) + d, 32);
+      __m256 wv[G];
+      for (int g = 0; g < G; ++g) wv[g] = _mm256_set1_ps(w[g * w_stride + t]);
+      for (int j = 0; j < 4; ++j) {
+        const __m256 vv = load8(v + 8 * j);
+        for (int g = 0; g < G; ++g) a[g][j] = _mm256_fmadd_ps(wv[g], vv, a[g][j]);
+      }
     }
-    _mm256_storeu_ps(out + d, a0);
-    _mm256_storeu_ps(out + d + 8, a1);
-    _mm256_storeu_ps(out + d + 16, a2);
-    _mm256_storeu_ps(out + d + 24, a3);
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + g * out_stride + d + 8 * j, a[g][j]);
   }
   for (; d < n; ++d) {
-    float a = 0;
-    for (int64_t t = 0; t < count; ++t) a += w[t] * static_cast<float>(row(t)[d]);
-    out[d] = a;
+    for (int g = 0; g < G; ++g) {
+      float a = 0;
+      for (int64_t t = 0; t < count; ++t) a += w[g * w_stride + t] * static_cast<float>(row(t)[d]);
+      out[g * out_stride + d] = a;
+    }
   }
 }
 
@@ -130,12 +150,18 @@ inline void softmax(float* s, int64_t n) {
   for (int64_t t = 0; t < n; ++t) s[t] *= inv;
 }
 
-template <typename T, typename Row>
-inline void weighted_sum(float* out, const float* w, int64_t count, int64_t n, Row row) {
-  for (int64_t d = 0; d < n; ++d) out[d] = 0;
-  for (int64_t t = 0; t < count; ++t) {
-    const T* v = row(t);
-    for (int64_t d = 0; d < n; ++d) out[d] += w[t] * static_cast<float>(v[d]);
+template <typename T, bool kToL2 = false>
+inline void prefetch_row(const T*, int64_t) {}
+
+template <typename T, int G, typename Row>
+inline void weighted_sum(float* out, int64_t out_stride, const float* w, int64_t w_stride, int64_t count, int64_t n,
+                         Row row) {
+  for (int g = 0; g < G; ++g) {
+    for (int64_t d = 0; d < n; ++d) out[g * out_stride + d] = 0;
+    for (int64_t t = 0; t < count; ++t) {
+      const T* v = row(t);
+      for (int64_t d = 0; d < n; ++d) out[g * out_stride + d] += w[g * w_stride + t] * static_cast<float>(v[d]);
+    }
   }
 }
 #endif
@@ -175,20 +201,30 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& query, const at::Ten
       }
       scores.assign(per_kv * count, 0.f);
       const T* k_h = k_base + h * k_head;
+      const T* v_h = v_base + h * v_head;
+      auto slot = [&](int64_t t) { return table[t / block_size] * block_size + t % block_size; };
       for (int64_t t = first; t < length; ++t) {
-        const T* k = k_h + (table[t / block_size] * block_size + t % block_size) * k_slot;
+        const T* k = k_h + slot(t) * k_slot;
+        if (t + kPrefetchRows < length) {  // this row's key ahead, and its value into L2 for the second pass
+          const int64_t ahead = slot(t + kPrefetchRows);
+          prefetch_row(k_h + ahead * k_slot, head_dim);
+          prefetch_row<T, kToL2>(v_h + ahead * v_slot, value_dim);
+        }
         for (int64_t g = 0; g < per_kv; ++g) {
           scores[g * count + (t - first)] = dot(q.data() + g * head_dim, k, head_dim) * static_cast<float>(scale);
         }
       }
       for (int64_t g = 0; g < per_kv; ++g) softmax(scores.data() + g * count, count);
-      const T* v_h = v_base + h * v_head;
-      auto value_row = [&](int64_t t) {
-        const int64_t pos = first + t;
-        return v_h + (table[pos / block_size] * block_size + pos % block_size) * v_slot;
-      };
-      for (int64_t g = 0; g < per_kv; ++g) {
-        weighted_sum<T>(acc.data() + g * value_dim, scores.data() + g * count, count, value_dim, value_row);
+      auto value_row = [&](int64_t t) { return v_h + slot(first + t) * v_slot; };
+      // the query heads of this KV head, three at a time (the accumulators of three fill the AVX2 registers)
+      for (int64_t g = 0; g < per_kv;) {
+        float* o = acc.data() + g * value_dim;
+        const float* w = scores.data() + g * count;
+        switch (std::min<int64_t>(3, per_kv - g)) {
+          case 3: weighted_sum<T, 3>(o, value_dim, w, count, count, value_dim, value_row); g += 3; break;
+          case 2: weighted_sum<T, 2>(o, value_dim, w, count, count, value_dim, value_row); g += 2; break;
+          default: weighted_sum<T, 1>(o, value_dim, w, count, count, value_dim, value_row); g += 1; break;
+        }
       }
       for (int64_t g = 0; g < per_kv; ++g) {
         T* dst = o_base + row * o_row + (h * per_kv + g) * o_head;
