@@ -397,3 +397,63 @@ def test_native_paths_refuse_autograd_instead_of_dropping_gradients(ops):
         block.q_proj(x)
     with torch.no_grad():
         assert model(ids).logits.shape == (1, 5, 300) and block.q_proj(x).shape == (2, 48)
+
+
+def test_native_linear_with_no_output_features_is_empty(ops):
+    packed = ops.pack_linear_weight(torch.randn(0, 8))
+    got = ops.packed_linear(torch.randn(3, 8), packed, None, 0)
+    assert got.shape == (3, 0)
+    with pytest.raises(RuntimeError, match="bias must be float32"):
+        ops.packed_linear(torch.randn(3, 8), ops.pack_linear_weight(torch.randn(48, 8)), torch.randn(2, 24), 48)
+
+
+@pytest.mark.parametrize("where", ["query", "key_vector_part", "key_tail", "inf_key"])
+def test_paged_decode_propagates_nan_and_inf_as_sdpa_does(ops, where):
+    torch.manual_seed(5)
+    key, value = torch.randn(1, 64, 8), torch.randn(1, 64, 8)
+    query = torch.randn(1, 2, 8)
+    if where == "query":
+        query[0, 0, 3] = float("nan")
+    elif where == "key_vector_part":
+        key[0, 5, 2] = float("nan")
+    elif where == "key_tail":
+        key[0, 49, 2] = float("nan")
+    else:  # a score of +inf: inf - inf in the softmax
+        key[0, 5, 2] = float("inf")
+        query = query.abs()
+    out = torch.empty(1, 2, 8)
+    ops.paged_decode(out, query, key, value, torch.arange(4), torch.tensor([50]), torch.tensor([0]), 16,
+                     8 ** -0.5, 0)
+    want = F.scaled_dot_product_attention(query.transpose(0, 1).unsqueeze(0), key[:, :50].unsqueeze(0),
+                                          value[:, :50].unsqueeze(0), scale=8 ** -0.5, enable_gqa=True)[0]
+    want = want.transpose(0, 1)  # [1, heads, 8]
+    assert torch.equal(out.isnan(), want.isnan())
+    assert out.isnan().any()
+    torch.testing.assert_close(out[~out.isnan()], want[~want.isnan()])
+
+
+def test_paged_decode_refuses_shapes_and_indices_it_would_read_past(ops):
+    key, value = torch.randn(1, 64, 8), torch.randn(1, 64, 8)
+    query, out = torch.randn(1, 2, 8), torch.empty(1, 2, 8)
+    index, lengths, rows = torch.arange(4), torch.tensor([40]), torch.tensor([0])
+
+    def call(**changed):
+        args = dict(out=out, query=query, key=key, value=value, block_index=index, lengths=lengths, rows=rows,
+                    block_size=16)
+        args.update(changed)
+        ops.paged_decode(args["out"], args["query"], args["key"], args["value"], args["block_index"],
+                         args["lengths"], args["rows"], args["block_size"], 0.3, 0)
+
+    call()  # the unchanged call is fine
+    with pytest.raises(RuntimeError, match="out must be"):
+        call(out=torch.empty(1, 2, 4))
+    with pytest.raises(RuntimeError, match="head_dim"):
+        call(query=torch.randn(1, 2, 16))
+    with pytest.raises(RuntimeError, match="exceeds the 4 blocks"):
+        call(lengths=torch.tensor([65]))
+    with pytest.raises(RuntimeError, match="block_size must be > 0"):
+        call(block_size=0)
+    with pytest.raises(RuntimeError, match="row 3 out of range"):
+        call(rows=torch.tensor([3]))
+    with pytest.raises(RuntimeError, match="block 9 outside the pool"):
+        call(block_index=torch.tensor([0, 1, 9, 3]))

@@ -294,8 +294,8 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed, cons
   const float* b = nullptr;
   at::Tensor bias_c;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N, "packed_linear: bias must be float32 [",
-                N, "]");
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->numel() == N,
+                "packed_linear: bias must be float32 [", N, "], got ", bias->scalar_type(), " ", bias->sizes());
     if (N % P == 0) {
       bias_c = bias->contiguous();
     } else {  // padded to whole panels, so the microkernel reads P values for the last one too
@@ -314,7 +314,7 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed, cons
     return out;
   }
   const int64_t M = x.numel() / K;
-  if (M == 0) return out;
+  if (M == 0 || N == 0) return out;
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = out.data_ptr<float>();

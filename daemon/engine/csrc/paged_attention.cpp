@@ -62,10 +62,19 @@ inline float dot(const float* q, const T* k, int64_t n) {
   return s;
 }
 
-// s[t] = exp(s[t] - max) / sum, in place.
+// s[t] = exp(s[t] - max) / sum, in place. A NaN score or an infinite maximum makes every weight NaN, as SDPA's
+// softmax does (the vector exp clamps its input, which would otherwise hide them).
 inline void softmax(float* s, int64_t n) {
   float top = -std::numeric_limits<float>::infinity();
-  for (int64_t t = 0; t < n; ++t) top = std::max(top, s[t]);
+  bool nan = false;
+  for (int64_t t = 0; t < n; ++t) {
+    top = std::max(top, s[t]);
+    nan |= std::isnan(s[t]);
+  }
+  if (nan || !std::isfinite(top)) {
+    std::fill(s, s + n, std::numeric_limits<float>::quiet_NaN());
+    return;
+  }
   const __m256 tv = _mm256_set1_ps(top);
   __m256 sv = _mm256_setzero_ps();
   int64_t t = 0;
@@ -252,6 +261,34 @@ void paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& key
               rows.scalar_type() == at::kLong, "paged_decode: int64 indices");
   TORCH_CHECK(block_index.is_contiguous() && lengths.is_contiguous() && rows.is_contiguous(),
               "paged_decode: contiguous indices");
+  TORCH_CHECK(block_size > 0, "paged_decode: block_size must be > 0, got ", block_size);
+  TORCH_CHECK(query.size(2) == key.size(2), "paged_decode: query head_dim ", query.size(2), " != key head_dim ",
+              key.size(2));
+  TORCH_CHECK(out.size(0) == query.size(0) && out.size(1) == query.size(1) && out.size(2) == value.size(2),
+              "paged_decode: out must be [", query.size(0), ", ", query.size(1), ", ", value.size(2), "], got ",
+              out.sizes());
+  TORCH_CHECK(value.size(0) == key.size(0) && value.size(1) == key.size(1),
+              "paged_decode: key and value pools differ: ", key.sizes(), " and ", value.sizes());
+  const int64_t groups = rows.numel();
+  TORCH_CHECK(lengths.numel() == groups, "paged_decode: ", lengths.numel(), " lengths for ", groups, " rows");
+  TORCH_CHECK(groups == 0 || block_index.numel() % groups == 0, "paged_decode: block_index of ", block_index.numel(),
+              " entries is not ", groups, " equal tables");
+  if (groups > 0) {  // every index in range: the kernel reads unchecked
+    const int64_t width = block_index.numel() / groups, pool_blocks = key.size(1) / block_size;
+    const int64_t* lens = lengths.data_ptr<int64_t>();
+    const int64_t* row_ids = rows.data_ptr<int64_t>();
+    const int64_t* blocks = block_index.data_ptr<int64_t>();
+    for (int64_t i = 0; i < groups; ++i) {
+      TORCH_CHECK(row_ids[i] >= 0 && row_ids[i] < query.size(0), "paged_decode: row ", row_ids[i], " out of range");
+      TORCH_CHECK(lens[i] >= 0 && lens[i] <= width * block_size, "paged_decode: length ", lens[i], " exceeds the ",
+                  width, " blocks of its table");
+      for (int64_t b = 0; b < (lens[i] + block_size - 1) / block_size; ++b) {
+        const int64_t block = blocks[i * width + b];
+        TORCH_CHECK(block >= 0 && block < pool_blocks, "paged_decode: block ", block, " outside the pool of ",
+                    pool_blocks, " blocks");
+      }
+    }
+  }
   switch (query.scalar_type()) {
     case at::kFloat:
       return decode_kernel<float>(out, query, key, value, block_index, lengths, rows, block_size, scale, window);
