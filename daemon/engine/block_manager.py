@@ -53,6 +53,7 @@ class _Block:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None
+    handed_out: bool = False  # ever given to a sequence: its KV may hold a former owner's values
 
 
 @dataclass(slots=True)
@@ -89,6 +90,7 @@ class BlockManager:
         self._free_cached: OrderedDict[int, _Block] = OrderedDict()  # LRU first
         self._cached: dict[bytes, _Block] = {}
         self._tables: dict[int, _Table] = {}
+        self._fresh: list[int] = []  # reused blocks handed out since take_fresh_blocks() last ran
         self.prefix_queries = 0
         """Prompt tokens looked up in the prefix cache (counter)."""
         self.prefix_hits = 0
@@ -268,6 +270,17 @@ class BlockManager:
         revived = sum(1 for key in hashes[:hits] if self._cached[key].ref_cnt == 0)
         return hits, self.blocks_for(num_tokens) - hits, revived
 
+    def take_fresh_blocks(self) -> list[int]:
+        """Ids of the used blocks handed out again from the free list since the last call (not prefix hits; a
+        block never handed out before is still zero and is not listed), oldest first.
+
+        Such a block still holds its former owner's keys and values; positions past the new owner's end are
+        read by a block-granular gather (and masked), where a stale NaN or inf would survive the mask as
+        ``0 * NaN``. The caller clears these blocks before the step's forward writes into them.
+        """
+        fresh, self._fresh = self._fresh, []
+        return fresh
+
     def _take_free(self) -> _Block:
         if self._free_uncached:
             block = self._free_uncached.popleft()
@@ -276,4 +289,7 @@ class BlockManager:
             del self._cached[block.block_hash]
             block.block_hash = None
         block.ref_cnt = 1
+        if block.handed_out:  # a never-used block is still zero
+            self._fresh.append(block.block_id)
+        block.handed_out = True
         return block

@@ -165,7 +165,9 @@ class PagedKVCache:
     positions past a sequence's end, and a masked position still enters the
     probabilities-times-values product with weight 0, where uninitialised
     memory (a NaN) would poison the row. Slots only ever hold keys and values
-    a model wrote, or zeros.
+    a model wrote, or zeros; a block handed to a new sequence is cleared first
+    (:meth:`clear_blocks`, from the model runner), so a former owner's NaN or
+    inf cannot reach the new owner through its masked tail either.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -181,6 +183,16 @@ class PagedKVCache:
         self.slot_mapping: torch.Tensor | None = None
         self._block_elements = num_kv_heads * block_size * (head_dim + value_head_dim)
         self._scratch = torch.empty(0, dtype=dtype, device=device)
+
+    def clear_blocks(self, block_ids: list[int]) -> None:
+        """Zero every layer's keys and values of ``block_ids`` (a reused block's former owner's values, which
+        a masked position past the new owner's end would otherwise bring into ``0 * value``)."""
+        if not block_ids:
+            return
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.key_cache[0].device)
+        for buffers in (self.key_cache, self.value_cache):
+            for buffer in buffers:
+                buffer.view(buffer.shape[0], self.num_blocks, -1).index_fill_(1, index, 0)
 
     def scratch(self, num_blocks: int) -> torch.Tensor:
         """A reusable buffer for the keys and values of ``num_blocks`` gathered blocks (grown, never shrunk).

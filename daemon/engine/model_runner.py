@@ -141,6 +141,7 @@ class ModelRunner:
         Raises whatever the forward or the sampler raises (the KV written so
         far for ``items`` is then not accounted as computed).
         """
+        self.cache.clear_blocks(self._blocks.take_fresh_blocks())  # before the forward writes into them
         inputs = self._prepare(items)
         result = self._sample(inputs, self._forward(inputs))
         token_ids = self._fetch(inputs, result)

@@ -875,3 +875,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
 TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = settings(max_examples=200, stateful_step_count=30, deadline=None,
                                             suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_fresh_blocks_lists_reused_blocks_only_and_drains():
+    manager = BlockManager(num_blocks=6, block_size=4)
+    manager.allocate(1, 8)  # two never-used blocks: still zero, not listed
+    assert manager.take_fresh_blocks() == []
+    first = manager.block_table(1)
+    manager.free(1)
+    manager.allocate(2, 16)  # four blocks: the two reused ones are listed
+    assert sorted(manager.take_fresh_blocks()) == sorted(first)
+    assert manager.take_fresh_blocks() == []  # drained
