@@ -59,6 +59,31 @@ class FrontGone(Exception):
     """The front process died or asked the worker to stop."""
 
 
+class DeviceLost(RuntimeError):
+    """The engine's device context is unusable after a sticky error; the worker exits for a restart."""
+
+
+STICKY_DEVICE_ERRORS = (
+    "illegal memory access", "illegal address", "device-side assert", "unspecified launch failure",
+    "misaligned address", "illegal instruction", "uncorrectable ecc error", "cublas_status_execution_failed",
+    "launch timed out", "hardware stack error",
+)
+"""Words of CUDA errors after which the context is unusable ("sticky": every later call fails the same way;
+CUDA runtime API, ``cudaErrorIllegalAddress``, ``cudaErrorAssert``, ``cudaErrorLaunchFailure``, ...). An
+out-of-memory error is not among them: the context survives it."""
+
+
+def device_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` (raised by an engine step) leaves the CUDA context unusable: a CUDA error of
+    :data:`STICKY_DEVICE_ERRORS` (torch raises them as ``torch.AcceleratorError`` or ``RuntimeError``), not an
+    out-of-memory error."""
+    torch = sys.modules.get("torch")  # a worker without torch (the synthetic engine) has no device to lose
+    if torch is not None and isinstance(exc, torch.cuda.OutOfMemoryError):
+        return False
+    message = str(exc).lower()
+    return "cuda" in message and any(words in message for words in STICKY_DEVICE_ERRORS)
+
+
 def worker_main(spec: WorkerSpec) -> None:
     """Entry point of the spawned worker process; exits the process when done."""
     set_process_title(worker_title(spec.index, spec.engine.device))
@@ -181,6 +206,8 @@ class Worker:
                 torch.set_num_threads(config.threads)
         elif not torch.cuda.is_available() or int(config.device.split(":")[1]) >= torch.cuda.device_count():
             raise RuntimeError(f"device {config.device} is not available on this host")
+        else:  # this worker's GPU is the current one: a library's bare "cuda" opens no context on GPU 0
+            torch.cuda.set_device(torch.device(config.device))
         model = load_model(info, device=config.device, dtype=config.dtype)
         return Engine(model, load_tokenizer(info), config, eos_token_ids=info.eos_token_ids)
 
@@ -213,6 +240,11 @@ class Worker:
             try:
                 outputs = engine.step()
             except Exception as exc:
+                if device_lost(exc):
+                    # Every later call on this context fails the same way: exit, so that the pool starts a
+                    # fresh process (a new context) and resumes these streams, as after a crash.
+                    log.critical("device error that poisons the CUDA context; exiting for a restart: %s", exc)
+                    raise DeviceLost(str(exc)) from exc
                 log.exception("engine step failed; failing %d requests", len(self.handles))
                 self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
                 continue

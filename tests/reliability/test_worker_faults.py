@@ -139,3 +139,24 @@ def test_exceptions_in_engine_steps_fail_that_workers_requests_only(tmp_path):
     assert [w.pid for w in after.workers] == [w.pid for w in before.workers]
     assert all(w.alive for w in after.workers)
     assert after.counters["worker_restarts_total"] == 0
+
+
+def test_a_sticky_device_error_restarts_the_worker_and_resumes_its_streams(tmp_path):
+    """Worker 0's engine raises a CUDA error that poisons the context (test hook): the worker exits instead of
+    failing every later request, the pool starts a fresh one, and its streams resume; worker 1 is undisturbed."""
+    env = {"RINGSTREAM_FAULT_INJECT": "step_exception_every=60,worker=0,kind=device"}
+    config = write_config(tmp_path, SYNTHETIC + f"worker_start_timeout_s = {START_TIMEOUT_S}\n")
+    with running_daemon(tmp_path, "--config", config, env=env) as d:
+        before = status(d.address)
+        results = asyncio.run(run_streams(d.address, count=32, concurrency=8,
+                                          params=dict(max_tokens=60, ignore_eos=True), deadline_s=DEADLINE_S))
+        assert wait_for(lambda: gauges_idle(d.address), 10.0)
+        assert wait_for(lambda: all(w.alive for w in status(d.address).workers), 60.0), "worker 0 not restarted"
+        after = status(d.address)
+        log = d.log()
+    assert "device error that poisons the CUDA context; exiting for a restart" in log
+    outcomes = _check(results, 60)
+    assert outcomes["length"] == len(results), outcomes  # resumed, not failed: each stream whole and in order
+    assert after.counters["worker_restarts_total"] >= 1
+    assert after.workers[0].pid != before.workers[0].pid
+    assert after.workers[1].pid == before.workers[1].pid
