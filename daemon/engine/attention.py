@@ -9,7 +9,9 @@ the engine switches its model to it. Each layer's call reads the step's
   attended in one batched call with a validity mask. In float32 that call is
   PyTorch's ``scaled_dot_product_attention``, whose output ``generate()``
   reproduces token for token; in bfloat16 / float16 it is two matmuls with
-  float32 scores and softmax, as transformers' eager attention computes them:
+  float32 scores and softmax, as transformers' eager attention computes them,
+  over the ``[kv_heads, g]`` batch order the gather leaves
+  (:func:`decode_matmul_kv_major`: no hidden copy of the context):
   PyTorch's CPU SDPA runs a flash kernel built for long queries and spends a
   one-token query's time on per-block set-up (measured on a 2-core AMD EPYC,
   torch 2.13, built-in model at batch 64: a bfloat16 decode step took 12.1 ms
@@ -45,7 +47,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ringstream.daemon.engine.kv_cache import AttentionMetadata
 
-__all__ = ["PAGED_ATTENTION", "dense_attention", "eager_attention", "paged_attention", "use_paged_attention"]
+__all__ = ["PAGED_ATTENTION", "decode_matmul_kv_major", "dense_attention", "eager_attention", "paged_attention",
+           "use_paged_attention"]
 
 PAGED_ATTENTION = "ringstream_paged"
 """Name under which :func:`paged_attention` is registered with transformers' ``AttentionInterface``."""
@@ -105,16 +108,18 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
             continue
         g = rows.shape[0]
         length = group.kv_valid.shape[-1]
-        # [kv_heads, g * nb, bs * D] -> [g, kv_heads, T, D] with contiguous [T, D] matrices
-        k, v = _gather(key_blocks, value_blocks, group.block_index, paged.scratch)
-        k = k.view(kv_heads, g, length, head_dim).transpose(0, 1)
-        v = v.view(kv_heads, g, length, value_dim).transpose(0, 1)
+        # [kv_heads, g * nb, bs * D] -> [kv_heads, g, T, D], contiguous in KV-head-major batch order
+        k_major, v_major = _gather(key_blocks, value_blocks, group.block_index, paged.scratch)
+        k_major = k_major.view(kv_heads, g, length, head_dim)
+        v_major = v_major.view(kv_heads, g, length, value_dim)
         qg = q.index_select(0, rows)  # [g, heads, head_dim]
         valid = group.valid(window)
+        if reduced and not eager:
+            out[rows] = decode_matmul_kv_major(qg, k_major, v_major, valid, scaling)
+            continue
+        k, v = k_major.transpose(0, 1), v_major.transpose(0, 1)  # [g, kv_heads, T, D] views
         if eager:
             out[rows] = eager_attention(qg.unsqueeze(2), k, v, valid, scaling, softcap, sinks).squeeze(2)
-        elif reduced:
-            out[rows] = _decode_matmul(qg, k, v, valid, scaling)
         else:
             o = F.scaled_dot_product_attention(qg.unsqueeze(2), k, v, attn_mask=valid, scale=scaling,
                                                enable_gqa=gqa)
@@ -206,6 +211,28 @@ def dense_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         valid = attention_mask[..., -1:, :] == 0
     out = _decode_matmul(query.view(batch, heads, head_dim), key, value, valid, scaling or head_dim ** -0.5)
     return out.view(batch, 1, heads, value.shape[-1]), None
+
+
+def decode_matmul_kv_major(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                           scaling: float) -> torch.Tensor:
+    """:func:`_decode_matmul` over gathered keys and values in KV-head-major batch order, as the gather leaves
+    them: ``q [g, heads, D]``, ``k [kv_heads, g, T, D]``, ``v [kv_heads, g, T, Dv]`` (contiguous), ``valid``
+    ``[g, 1, 1, T]`` bool -> ``[g, heads, Dv]``.
+
+    The two batched matmuls then run over ``[kv_heads, g]`` batches that are contiguous in memory; in the
+    ``[g, kv_heads]`` order of the transposed views, ``torch.matmul`` first copies the whole gathered context
+    into a contiguous tensor (its batch dimensions must collapse), which moves the keys and values twice more.
+    Only the query (``g x heads x D``) and the output are permuted. Same scores, softmax and sums per (row, head)
+    as :func:`_decode_matmul`.
+    """
+    g, heads, head_dim = q.shape
+    kv_heads, length = k.shape[0], k.shape[2]
+    qh = q.view(g, kv_heads, heads // kv_heads, head_dim).transpose(0, 1)  # [kv_heads, g, group, D]
+    scores = torch.matmul(qh, k.transpose(-1, -2)).float()  # [kv_heads, g, group, T]
+    scores.mul_(scaling)
+    scores.masked_fill_(~valid.view(1, g, 1, length), float("-inf"))
+    probs = scores.softmax(dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).transpose(0, 1).reshape(g, heads, v.shape[-1])
 
 
 def _decode_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,

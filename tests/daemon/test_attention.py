@@ -407,3 +407,21 @@ def test_bfloat16_engine_runs(model_dir):
         step = model(input_ids=ids[:, -1:], cache=first.past_key_values).logits[0, -1].float()
     assert step.isfinite().all()
     torch.testing.assert_close(step, full, atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_heads,group,rows,length,head_dim,value_dim",
+                         [(4, 3, 16, 96, 64, 64), (2, 1, 5, 33, 32, 16), (1, 8, 3, 40, 16, 16), (8, 4, 1, 17, 8, 8)])
+def test_kv_head_major_decode_matmul_equals_the_row_major_one(dtype, kv_heads, group, rows, length, head_dim,
+                                                             value_dim):
+    from ringstream.daemon.engine.attention import _decode_matmul, decode_matmul_kv_major
+
+    torch.manual_seed(kv_heads * 100 + length)
+    q = torch.randn(rows, kv_heads * group, head_dim).to(dtype)
+    k = torch.randn(kv_heads, rows, length, head_dim).to(dtype)
+    v = torch.randn(kv_heads, rows, length, value_dim).to(dtype)
+    valid = torch.rand(rows, 1, 1, length) > 0.3
+    valid[:, ..., 0] = True  # every row reads one position at least
+    got = decode_matmul_kv_major(q, k, v, valid, 0.125)
+    assert got.shape == (rows, kv_heads * group, value_dim) and got.dtype == dtype
+    assert torch.equal(got, _decode_matmul(q, k.transpose(0, 1), v.transpose(0, 1), valid, 0.125))
