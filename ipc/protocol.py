@@ -56,8 +56,8 @@ from ringstream.ipc.wire import (  # noqa: F401  (re-exported: the protocol's on
     MAX_ADMIN_SETTINGS, MAX_FRAME_BYTES, MAX_ID_CHARS, MAX_OPEN_IDS, MAX_PROMPT_CHARS, MAX_PROMPT_TOKEN_IDS,
     MAX_SEED, MAX_STATUS_REQUESTS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE,
     MAX_TOKEN_ID, MAX_TOKENS_LIMIT, WIRE, ErrorCode, FinishReason, RequestId, SamplingParams, Seconds, TokenId,
-    TokenLogprob, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY,
-    check_sampling, name_path,
+    TokenLogprob, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_GRAMMAR_CHARS, MAX_CHOICES,
+    StructuredOutputs, check_sampling, name_path,
 )
 from ringstream.ipc.worker_protocol import (  # noqa: F401  (re-exported)
     COMMAND_DECODER, EVENT_DECODER, FINISH_DECODER, PROMPT_LOGPROBS_DECODER, TOKEN_PAYLOAD_DECODER,

@@ -33,6 +33,10 @@ MAX_PENALTY = 2.0
 MAX_REPETITION_PENALTY = 100.0
 MAX_LOGPROBS = 20
 """Most top logprobs per token (``logprobs``, ``prompt_logprobs``); vLLM's default ``max_logprobs``."""
+MAX_GRAMMAR_CHARS = 65_536
+"""Longest JSON schema, regex or grammar text of ``StructuredOutputs``, characters."""
+MAX_CHOICES = 256
+"""Most alternatives of ``StructuredOutputs.choice``."""
 MAX_ADMIN_SETTINGS = 32
 MAX_OPEN_IDS = 65_536
 MAX_STATUS_REQUESTS = 100
@@ -71,6 +75,45 @@ class FinishReason(enum.StrEnum):
     TIMEOUT = "timeout"
     SHUTDOWN = "shutdown"
     ERROR = "error"
+
+
+class StructuredOutputs(Struct, frozen=True, **WIRE):
+    """A constraint on the output: exactly one field set (vLLM's ``structured_outputs`` request field).
+
+    The engine masks the logits of every step with what the constraint allows next (a grammar engine,
+    llguidance, compiled once per constraint text and kept), for greedy and sampled rows alike; the stream
+    ends with ``finish_reason="stop"`` when the constraint is complete.
+
+    Attributes:
+        json: a JSON schema, as JSON text: the output is one JSON value that validates against it.
+        regex: the output fully matches this regular expression.
+        choice: the output is exactly one of these strings.
+        grammar: a context-free grammar in Lark syntax (llguidance's; ``start`` is the start rule) or in
+            GBNF (llama.cpp's EBNF, ``root ::= ...``).
+        json_object: the output is one JSON object of any shape (OpenAI's ``response_format`` ``json_object``).
+        whitespace_flexible: JSON may carry any whitespace between tokens (default: the compact form, no
+            whitespace; a model may otherwise pad with spaces and newlines until ``max_tokens``).
+    """
+
+    json: Annotated[str, Meta(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None
+    regex: Annotated[str, Meta(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None
+    choice: Annotated[list[Annotated[str, Meta(min_length=1, max_length=MAX_GRAMMAR_CHARS)]],
+                      Meta(min_length=1, max_length=MAX_CHOICES)] | None = None
+    grammar: Annotated[str, Meta(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None
+    json_object: bool = False
+    whitespace_flexible: bool = False
+
+    @property
+    def kind(self) -> str:
+        """The one constraint set: ``json``, ``regex``, ``choice``, ``grammar`` or ``json_object``; ValueError
+        for none or several."""
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs: give exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {', '.join(given) or 'none'}")
+        return given[0]
 
 
 class SamplingParams(Struct, frozen=True, **WIRE):
@@ -131,6 +174,9 @@ class SamplingParams(Struct, frozen=True, **WIRE):
             token after the first (the logprob of prompt token ``i`` given
             tokens ``0..i-1``). A request asking for them skips the prefix
             cache (every prompt position must be computed), as in vLLM.
+        structured_outputs: None (free text), or the constraint the output must meet
+            (:class:`StructuredOutputs`); the engine refuses a constraint it cannot compile with
+            ``INVALID_REQUEST`` before anything is scheduled.
 
     Processing order of the logits (vLLM's ``Sampler.forward``): raw logprobs,
     then ``min_tokens`` masking and the penalties, then greedy argmax or
@@ -158,6 +204,7 @@ class SamplingParams(Struct, frozen=True, **WIRE):
     min_tokens: Annotated[int, Meta(ge=0, le=MAX_TOKENS_LIMIT)] = 0
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @property
     def penalized(self) -> bool:
@@ -195,6 +242,8 @@ def check_sampling(params: SamplingParams, vocab_size: int | None = None) -> Non
         raise ValueError(name_path(str(exc), SamplingParams)) from None
     if params.min_tokens > params.max_tokens:
         raise ValueError(f"min_tokens ({params.min_tokens}) must be <= max_tokens ({params.max_tokens})")
+    if params.structured_outputs is not None:
+        params.structured_outputs.kind  # exactly one constraint (ValueError otherwise)
     if vocab_size is not None and params.stop_token_ids and max(params.stop_token_ids) >= vocab_size:
         raise ValueError(f"stop_token_ids: token id {max(params.stop_token_ids)} is outside the "
                          f"vocabulary of {vocab_size}")

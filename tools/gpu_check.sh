@@ -15,12 +15,12 @@
 #
 # Building the wheels (on a host with the package index; the CUDA host has Python 3.12 with torch,
 # transformers, tokenizers, safetensors, uvloop, psutil, prometheus_client, aiohttp, rich, jinja2 and pytest,
-# but not msgspec, pyzmq or setproctitle):
+# but not msgspec, pyzmq, setproctitle or llguidance):
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d .whl \
-#     msgspec pyzmq setproctitle pytest-rerunfailures pytest-timeout
+#     msgspec pyzmq setproctitle llguidance pytest-rerunfailures pytest-timeout
 #   python3 -m pip wheel --no-deps -w .whl .        # ringstream itself (pure Python)
 # Keep one version of each, and copy the folder to the GPU host with the checkout.
 set -uo pipefail

@@ -61,6 +61,7 @@ import torch
 
 from ringstream.daemon.engine.attention import use_paged_attention
 from ringstream.daemon.engine.block_manager import BlockManager
+from ringstream.daemon.engine.structured import GrammarCompiler
 from ringstream.daemon.engine.detokenizer import IncrementalDetokenizer
 from ringstream.daemon.engine.interface import (
     ENGINE_DEFAULTS,
@@ -169,6 +170,8 @@ class Engine(BaseEngine):
         self._scheduler.chunk_limit = self._budget.chunk_tokens if self._budget is not None else None
         self._next_seq_id = 0
         self._warmup_failure = ""
+        self._grammars = GrammarCompiler(tokenizer, self.vocab_size,
+                                         self.eos_token_ids[0] if self.eos_token_ids else None)
 
     @staticmethod
     def _check_model(model, text_config, config: EngineConfig) -> int:
@@ -396,6 +399,8 @@ class Engine(BaseEngine):
             raise ValueError("output_token_ids already contain a stop string")
         greedy = params.temperature <= GREEDY_TEMPERATURE_EPS
         seeded = params.seed is not None and not greedy
+        constraint = params.structured_outputs
+        matcher = self._grammars.matcher(constraint, output) if constraint is not None else None
         self._next_seq_id += 1
         return SequenceState(
             seq_id=self._next_seq_id,
@@ -414,8 +419,9 @@ class Engine(BaseEngine):
             top_p=float(params.top_p),
             priority=req.priority,
             processed=(params.penalized or params.min_p > 0.0 or params.min_tokens > len(output)
-                       or params.logprobs is not None or params.prompt_logprobs is not None),
+                       or params.logprobs is not None or params.prompt_logprobs is not None or matcher is not None),
             want_prompt_logprobs=params.prompt_logprobs is not None and not output,
+            matcher=matcher,
         )
 
     # ------------------------------------------------------------ execution

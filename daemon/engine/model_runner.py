@@ -35,6 +35,7 @@ from ringstream.daemon.engine.block_manager import BlockManager
 from ringstream.daemon.engine.device_io import to_device, to_host
 from ringstream.daemon.engine.scheduler import SequenceState
 from ringstream.daemon.engine.kv_cache import PagedKVCache, build_metadata
+from ringstream.daemon.engine.structured import apply_bitmask, token_bitmask
 from ringstream.daemon.engine.sampler import (
     SamplingTensors, apply_penalties, build_logprobs, logprob_tensors, mask_tokens, sample, token_seed,
 )
@@ -294,6 +295,10 @@ class ModelRunner:
                 to_device([p.repetition_penalty for p in chosen], torch.float32, device),
                 any_repetition=any(p.repetition_penalty != 1.0 for p in chosen),
             )
+        constrained = [i for i, seq in enumerate(batch) if seq.matcher is not None]
+        if constrained:  # structured outputs: only what each constraint allows next
+            mask = token_bitmask([batch[i].matcher for i in constrained], work.shape[-1])
+            apply_bitmask(work, to_device(constrained, torch.long, device), mask)
         if all(seq.greedy for seq in batch):
             tokens = work.argmax(dim=-1)
         else:

@@ -91,6 +91,9 @@ class SequenceState:
     want_prompt_logprobs: bool = False
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     next_logprob: TokenLogprob | None = None
+    matcher: object | None = None
+    """The ``llguidance.LLMatcher`` of the request's ``structured_outputs`` (it has consumed the output so far),
+    or None (:mod:`ringstream.daemon.engine.structured`)."""
 
 
 class StepScheduler:
@@ -278,6 +281,14 @@ class StepScheduler:
         text, finish_reason, stop_reason = finish_after_token(
             seq.detokenizer, token_id, num_output, seq.stop_token_ids, seq.user_stop_token_ids,
             seq.request.params.min_tokens, seq.max_output_tokens)
+        matcher = seq.matcher
+        if matcher is not None and finish_reason in (None, "length"):
+            if not matcher.consume_token(token_id) or matcher.is_error():
+                finish_reason, stop_reason = "error", None  # a dead end of the constraint: this stream alone
+                log.warning("request %s: its structured output reached a dead end: %s", seq.handle,
+                            matcher.get_error())
+            elif matcher.is_stopped():
+                finish_reason, stop_reason = "stop", None  # the constraint is complete
         if seq.processed:
             out = TokenOutput(seq.handle, num_output - 1, token_id, text, logprobs=seq.next_logprob)
             seq.next_logprob = None

@@ -267,6 +267,8 @@ class SyntheticEngine(BaseEngine):
         prompt = req.prompt_token_ids
         output = req.output_token_ids
         stop_ids, user_stop_ids = check_request(req, self.max_model_len, self.vocab_size, self.eos_token_ids)
+        if req.params.structured_outputs is not None:
+            raise ValueError("structured_outputs: the synthetic engine has no model to constrain; serve a model")
         scanner = StopScanner(params.stop)
         for seq_no in range(len(output)):
             scanner.add(synthetic_text(seq_no), seq_no >= params.min_tokens)

@@ -22,6 +22,7 @@ client library's typed exceptions onto HTTP statuses.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal, Union
 
@@ -155,6 +156,19 @@ class _Sampling(Struct, forbid_unknown_fields=False, kw_only=True):
     stop_token_ids: Annotated[list[TokenId], Meta(max_length=P.MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool | None = None
     priority: Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)] | None = None
+    response_format: Any = None
+    """OpenAI's: ``{"type": "text" | "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name",
+    "schema", "strict"}}``."""
+    structured_outputs: Any = None
+    """vLLM's: one of ``json`` (a schema), ``regex``, ``choice``, ``grammar``, ``json_object``."""
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    """vLLM's older spellings of ``structured_outputs`` (which it still accepts)."""
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
+    """Accepted and not needed: the daemon has one grammar engine (llguidance)."""
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -197,7 +211,6 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: Any = None
     tool_choice: Any = None
-    response_format: Any = None
 
 
 _REQUEST_FIELDS = (frozenset(CompletionRequest.__struct_fields__) | frozenset(ChatCompletionRequest.__struct_fields__)) \
@@ -240,9 +253,73 @@ def _refuse_unsupported(req: _Sampling) -> None:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         if req.tools or req.tool_choice not in (None, "none"):
             raise bad_request("tools are not supported", "tools")
-        rf = req.response_format
-        if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-            raise bad_request("response_format other than text is not supported", "response_format")
+    if req.guided_whitespace_pattern is not None:
+        raise bad_request("guided_whitespace_pattern is not supported (structured_outputs' "
+                          "whitespace_flexible is)", "guided_whitespace_pattern")
+
+
+_STRUCTURED_KEYS = frozenset(("json", "regex", "choice", "grammar", "json_object", "whitespace_flexible"))
+
+
+def structured_outputs_of(req: _Sampling) -> P.StructuredOutputs | None:
+    """The output constraint of ``req``, from ``response_format``, ``structured_outputs`` or vLLM's
+    ``guided_*`` fields (one of them), checked: ApiError 400 naming the field for a malformed one, for several,
+    and for a schema, regex or grammar that does not compile (llguidance's message)."""
+    given: list[tuple[str, P.StructuredOutputs]] = []
+    rf = req.response_format
+    if rf is not None:
+        kind = rf.get("type") if isinstance(rf, dict) else None
+        if kind == "json_object":
+            given.append(("response_format", P.StructuredOutputs(json_object=True)))
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise bad_request("response_format json_schema needs json_schema.schema, a JSON schema object",
+                                  "response_format")
+            given.append(("response_format", P.StructuredOutputs(json=json.dumps(schema))))
+        elif kind != "text":
+            raise bad_request('response_format.type must be "text", "json_object" or "json_schema"',
+                              "response_format")
+    so = req.structured_outputs
+    if so is not None:
+        if not isinstance(so, dict) or not so.keys() <= _STRUCTURED_KEYS:
+            raise bad_request(f"structured_outputs must be an object of {', '.join(sorted(_STRUCTURED_KEYS))}",
+                              "structured_outputs")
+        fields = dict(so)
+        if isinstance(fields.get("json"), (dict, bool)):
+            fields["json"] = json.dumps(fields["json"])
+        given.append(("structured_outputs", _structured(fields, "structured_outputs")))
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar")):
+        value = getattr(req, name)
+        if value is not None:
+            if key == "json" and not isinstance(value, str):
+                value = json.dumps(value)
+            given.append((name, _structured({key: value}, name)))
+    if not given:
+        return None
+    if len(given) > 1:
+        raise bad_request(f"give one output constraint, not {' and '.join(name for name, _ in given)}",
+                          given[1][0])
+    name, constraint = given[0]
+    try:
+        from ringstream.daemon.common.grammar import check_constraint
+
+        check_constraint(constraint)
+    except ValueError as exc:
+        raise bad_request(f"{name}: {exc}", name) from None
+    return constraint
+
+
+def _structured(fields: dict, name: str) -> P.StructuredOutputs:
+    try:  # built by keyword, then checked against the wire's types and limits (its array form)
+        constraint = P.StructuredOutputs(**fields)
+        msgspec.convert(msgspec.to_builtins(constraint), P.StructuredOutputs)
+        constraint.kind  # exactly one
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise bad_request(f"{name}: {exc}", name) from None
+    return constraint
 
 
 Prompt = Union[str, list[int]]
@@ -310,6 +387,9 @@ def generate_params(req: _Sampling, max_tokens: int | None, stream: bool) -> dic
             params["prompt_logprobs"] = req.logprobs
     elif isinstance(req, ChatCompletionRequest) and req.logprobs:
         params["logprobs"] = req.top_logprobs or 0
+    constraint = structured_outputs_of(req)
+    if constraint is not None:
+        params["structured_outputs"] = constraint
     return params
 
 

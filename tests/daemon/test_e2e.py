@@ -385,3 +385,26 @@ def test_demo_runs_streams_and_stops_cleanly():
     out = _cli("demo", "--requests", "4", "--max-tokens", "8", timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "tok/s" in out.stdout and "TTFT" in out.stdout and "exit code 0" in out.stdout
+
+
+def test_structured_outputs_over_zeromq(daemon):
+    """A JSON schema constrains sampled output end to end; a schema that does not compile is INVALID_REQUEST,
+    and the daemon serves on."""
+    import json
+
+    from ringstream.ipc.client import InvalidRequest
+
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "score": {"type": "integer",
+              "minimum": 0, "maximum": 9}}, "required": ["answer", "score"], "additionalProperties": False}
+    constraint = P.StructuredOutputs(json=json.dumps(schema))
+    streams = _collect(daemon.address, PROMPTS[:8], max_tokens=64, temperature=1.0, structured_outputs=constraint)
+    for chunks in streams:
+        assert chunks[-1].finish_reason == "stop"
+        value = json.loads("".join(c.text for c in chunks))
+        assert value["answer"] in ("yes", "no") and 0 <= value["score"] <= 9 and set(value) == {"answer", "score"}
+    with Client(daemon.address) as client:
+        with pytest.raises(InvalidRequest, match="structured_outputs.json"):
+            client.complete("Convert", max_tokens=8, structured_outputs=P.StructuredOutputs(json='{"type": 7}'))
+        with pytest.raises(InvalidRequest, match="exactly one of"):
+            client.complete("Convert", max_tokens=8, structured_outputs=P.StructuredOutputs())
+        assert client.complete("Convert", max_tokens=4, ignore_eos=True).usage.completion_tokens == 4

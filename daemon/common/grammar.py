@@ -1,0 +1,71 @@
+"""The grammar text of an output constraint (``StructuredOutputs``), and its check; no torch, no vocabulary.
+
+Shared by the engine (:mod:`ringstream.daemon.engine.structured`, which builds the token matchers) and the HTTP
+server (which refuses a constraint that does not compile before the request reaches the daemon). The grammar
+engine is llguidance (``guidance-ai/llguidance``): ``grammar_from`` and ``LLMatcher.grammar_from_json_schema``
+turn a JSON schema, regex, choice list, Lark or GBNF grammar into its grammar text.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+from ringstream.ipc.wire import StructuredOutputs
+
+__all__ = ["GRAMMAR_CACHE_SIZE", "check_constraint", "grammar_text"]
+
+GRAMMAR_CACHE_SIZE = 256
+"""Grammar texts kept, by constraint."""
+
+
+def grammar_text(constraint: StructuredOutputs) -> str:
+    """llguidance's grammar for ``constraint``; ValueError naming the field for one it cannot read.
+
+    JSON (``json``, ``json_object``) is compact (no whitespace between tokens) unless ``whitespace_flexible``:
+    llguidance's default lets a model pad with whitespace, which a weak model does until ``max_tokens``.
+    """
+    kind = constraint.kind
+    value = getattr(constraint, kind)
+    return _grammar_text(kind, tuple(value) if kind == "choice" else value, constraint.whitespace_flexible)
+
+
+@functools.lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
+def _grammar_text(kind: str, value, whitespace_flexible: bool) -> str:
+    import llguidance
+
+    try:
+        if kind in ("json", "json_object"):
+            schema = value if kind == "json" else '{"type": "object"}'
+            try:
+                json.loads(schema)
+            except ValueError as exc:
+                raise ValueError(f"not JSON: {exc}") from None
+            defaults = {"whitespace_flexible": whitespace_flexible}
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=defaults)
+        if kind == "regex":
+            return llguidance.grammar_from("regex", value)
+        if kind == "choice":
+            return llguidance.grammar_from("choice", json.dumps(list(value)))
+        return llguidance.grammar_from("grammar", value)  # Lark, or GBNF (``::=``)
+    except ValueError as exc:
+        raise ValueError(f"structured_outputs.{kind}: {exc}") from None
+
+
+def check_constraint(constraint: StructuredOutputs) -> None:
+    """ValueError (llguidance's message) where ``constraint`` does not compile; needs no vocabulary, so the
+    HTTP server can refuse a bad schema before the request reaches the daemon."""
+    import llguidance
+
+    error = llguidance.LLMatcher.validate_grammar(grammar_text(constraint))
+    if error and not error.startswith("WARNING"):
+        raise ValueError(error)
+
+
+def check_constraint(constraint: StructuredOutputs) -> None:
+    """ValueError (llguidance's message) where ``constraint`` does not compile; needs no vocabulary."""
+    import llguidance
+
+    error = llguidance.LLMatcher.validate_grammar(grammar_text(constraint))
+    if error and not error.startswith("WARNING"):
+        raise ValueError(error)

@@ -1,0 +1,213 @@
+"""Structured outputs in the engine: sampled at temperature 1.0, so only the constraint can make them valid."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from ringstream.daemon.engine.engine import Engine, EngineConfig, EngineRequest, SamplingParams
+from ringstream.daemon.common.grammar import grammar_text
+from ringstream.ipc.wire import StructuredOutputs
+from tests.factories import load_model, load_tokenizer
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "daemon" / "default_model"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+REGEX = r"[0-9]{3}-[a-z]{2,5}"
+CHOICES = ["yes", "no", "maybe"]
+LARK = 'start: "a" letter letter? letter? "d"\nletter: "b" | "c"'
+GBNF = 'root ::= "x" [0-9] [0-9]? [0-9]? "y"'
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def default():
+    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+        pytest.skip("daemon/default_model is not present")
+    return load_model(DEFAULT_MODEL_DIR), load_tokenizer(DEFAULT_MODEL_DIR)
+
+
+def engine_of(default, **config) -> Engine:
+    model, tokenizer = default
+    engine = Engine(model, tokenizer, EngineConfig(**{"max_num_seqs": 8, **config}), eos_token_ids=(1,))
+    engine.warmup()
+    return engine
+
+
+def run(engine: Engine, requests: list[EngineRequest]) -> dict[int, list]:
+    outputs: dict[int, list] = {}
+    pending = list(requests)
+    while pending or engine.has_unfinished():
+        while pending and engine.stats().num_running + engine.stats().num_waiting < engine.max_num_seqs:
+            engine.add(pending.pop(0))
+        for out in engine.step():
+            outputs.setdefault(out.handle, []).append(out)
+    return outputs
+
+
+def check_schema(value) -> None:
+    assert isinstance(value, dict) and set(value) == {"name", "age", "tags"}
+    assert isinstance(value["name"], str) and len(value["name"]) <= 12
+    assert isinstance(value["age"], int) and 0 <= value["age"] <= 150
+    assert isinstance(value["tags"], list) and len(value["tags"]) <= 3 and set(value["tags"]) <= {"a", "b"}
+
+
+def check(kind: str, text: str) -> None:
+    if kind == "json":
+        check_schema(json.loads(text))
+    elif kind == "json_object":
+        assert isinstance(json.loads(text), dict)
+    elif kind == "regex":
+        assert re.fullmatch(REGEX, text), text
+    elif kind == "choice":
+        assert text in CHOICES
+    elif kind == "lark":
+        assert re.fullmatch(r"a[bc]{1,3}d", text), text
+    else:
+        assert re.fullmatch(r"x[0-9]{1,3}y", text), text
+
+
+CONSTRAINTS = {
+    "json": StructuredOutputs(json=json.dumps(SCHEMA)),
+    "json_object": StructuredOutputs(json_object=True),
+    "regex": StructuredOutputs(regex=REGEX),
+    "choice": StructuredOutputs(choice=CHOICES),
+    "lark": StructuredOutputs(grammar=LARK),
+    "gbnf": StructuredOutputs(grammar=GBNF),
+}
+
+
+def test_sampled_outputs_meet_their_constraint_beside_free_rows(default):
+    model, tokenizer = default
+    engine = engine_of(default)
+    prompt = tokenizer.encode("Convert a string to a tuple").ids
+    requests, kinds = [], {}
+    for seed in range(3):
+        for kind, constraint in CONSTRAINTS.items():
+            if kind == "json_object":
+                continue  # unbounded: a weak model wanders inside a key (the test below)
+            handle = len(requests)
+            kinds[handle] = kind
+            requests.append(EngineRequest(handle, prompt, SamplingParams(
+                max_tokens=120, temperature=1.0, seed=seed, structured_outputs=constraint)))
+    free = EngineRequest(len(requests), prompt, SamplingParams(max_tokens=12, temperature=0.0))
+    outputs = run(engine, requests + [free])
+    for request in requests:
+        outs = outputs[request.handle]
+        assert outs[-1].finish_reason == "stop", (kinds[request.handle], outs[-1].finish_reason)
+        check(kinds[request.handle], "".join(o.text for o in outs))
+    # the unconstrained row is what generate() gives on its prompt alone
+    with torch.inference_mode():
+        want = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              max_new_tokens=12, do_sample=False, eos_token_id=1, pad_token_id=1)
+    assert free.output_token_ids == want[0, len(prompt):].tolist()[:len(free.output_token_ids)]
+
+
+def test_json_object_outputs_that_end_parse_as_objects(default):
+    _, tokenizer = default
+    engine = engine_of(default)
+    prompt = tokenizer.encode("Convert a string to a tuple").ids
+    requests = [EngineRequest(seed, prompt, SamplingParams(max_tokens=200, temperature=1.0, seed=seed,
+                                                           structured_outputs=CONSTRAINTS["json_object"]))
+                for seed in range(6)]
+    outputs = run(engine, requests)
+    ended = [r for r in requests if outputs[r.handle][-1].finish_reason == "stop"]
+    assert ended  # seeded: the same ones end on every run
+    for request in ended:
+        assert isinstance(json.loads("".join(o.text for o in outputs[request.handle])), dict)
+    for request in requests:  # the others were cut by max_tokens inside the object
+        assert "".join(o.text for o in outputs[request.handle]).startswith("{")
+
+
+def test_greedy_rows_are_constrained_too(default):
+    _, tokenizer = default
+    engine = engine_of(default)
+    prompt = tokenizer.encode("Return the").ids
+    kinds = [kind for kind in CONSTRAINTS if kind != "json_object"]
+    requests = [EngineRequest(i, prompt, SamplingParams(max_tokens=120, temperature=0.0,
+                                                        structured_outputs=CONSTRAINTS[kind]))
+                for i, kind in enumerate(kinds)]
+    outputs = run(engine, requests)
+    for request, kind in zip(requests, kinds):
+        assert outputs[request.handle][-1].finish_reason == "stop", kind
+        check(kind, "".join(o.text for o in outputs[request.handle]))
+
+
+@pytest.mark.parametrize("constraint,words", [
+    (StructuredOutputs(json='{"type": "objectx"}'), "structured_outputs.json"),
+    (StructuredOutputs(json="{not json"), "structured_outputs.json: not JSON"),
+    (StructuredOutputs(regex="[0-9"), "structured_outputs.regex"),
+    (StructuredOutputs(grammar="start: undefined_rule"), "structured_outputs.grammar"),
+    (StructuredOutputs(regex="a", choice=["b"]), "exactly one of"),
+    (StructuredOutputs(), "got none"),
+])
+def test_a_constraint_that_does_not_compile_is_refused_at_add(default, constraint, words):
+    engine = engine_of(default)
+    with pytest.raises(ValueError, match=re.escape(words)):
+        engine.add(EngineRequest(0, [5, 6, 7], SamplingParams(max_tokens=8, structured_outputs=constraint)))
+    assert not engine.has_unfinished()
+    engine.add(EngineRequest(1, [5, 6, 7], SamplingParams(max_tokens=4)))  # the engine serves on
+    assert len(run(engine, [])[1]) == 4
+
+
+def test_a_resumed_request_continues_its_constraint(default):
+    _, tokenizer = default
+    engine = engine_of(default)
+    prompt = tokenizer.encode("Convert a string").ids
+    constraint = CONSTRAINTS["json"]
+    first = EngineRequest(0, prompt, SamplingParams(max_tokens=120, temperature=1.0, seed=7,
+                                                    structured_outputs=constraint))
+    whole = run(engine, [first])[0]
+    cut = len(whole) // 2
+    resumed = EngineRequest(1, prompt, SamplingParams(max_tokens=120, temperature=1.0, seed=7,
+                                                      structured_outputs=constraint),
+                            output_token_ids=list(first.output_token_ids[:cut]))
+    rest = run(engine, [resumed])[1]
+    assert resumed.output_token_ids == first.output_token_ids  # seeded: the same tokens, resumed
+    check_schema(json.loads("".join(o.text for o in whole[:cut] + rest)))
+    stray = tokenizer.encode("hello").ids
+    with pytest.raises(ValueError, match="do not meet structured_outputs.json"):
+        engine.add(EngineRequest(2, prompt, SamplingParams(max_tokens=50, structured_outputs=constraint),
+                                 output_token_ids=stray))
+
+
+def test_preempted_constrained_requests_stay_valid(default):
+    _, tokenizer = default
+    # a pool too small for every request at once: the newest are preempted and recomputed
+    engine = engine_of(default, num_blocks=12, block_size=16, max_model_len=160)
+    prompts = [tokenizer.encode(text).ids for text in ("Convert a string", "Return the value", "Parse a file")]
+    requests = [EngineRequest(i, prompts[i % 3], SamplingParams(max_tokens=100, temperature=1.0, seed=i,
+                                                                structured_outputs=CONSTRAINTS["json"]))
+                for i in range(6)]
+    outputs = run(engine, requests)
+    assert engine.stats().num_preemptions > 0
+    for request in requests:
+        check_schema(json.loads("".join(o.text for o in outputs[request.handle])))
+
+
+def test_grammar_texts_are_kept_per_constraint():
+    grammar_text(CONSTRAINTS["choice"])
+    from ringstream.daemon.common import grammar
+
+    hits = grammar._grammar_text.cache_info().hits
+    grammar_text(StructuredOutputs(choice=list(CHOICES)))  # equal constraint, another object
+    assert grammar._grammar_text.cache_info().hits == hits + 1
