@@ -38,9 +38,15 @@ def _grammar_text(kind: str, value, whitespace_flexible: bool) -> str:
         if kind in ("json", "json_object"):
             schema = value if kind == "json" else '{"type": "object"}'
             try:
-                json.loads(schema)
+                parsed = json.loads(schema)
             except ValueError as exc:
                 raise ValueError(f"not JSON: {exc}") from None
+            except RecursionError:
+                raise ValueError("the schema is nested too deeply") from None
+            if parsed is True:  # JSON Schema's "anything"
+                schema = "{}"
+            elif parsed is False:
+                raise ValueError("the schema false admits no value")
             defaults = {"whitespace_flexible": whitespace_flexible}
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=defaults)
         if kind == "regex":
@@ -50,16 +56,6 @@ def _grammar_text(kind: str, value, whitespace_flexible: bool) -> str:
         return llguidance.grammar_from("grammar", value)  # Lark, or GBNF (``::=``)
     except ValueError as exc:
         raise ValueError(f"structured_outputs.{kind}: {exc}") from None
-
-
-def check_constraint(constraint: StructuredOutputs) -> None:
-    """ValueError (llguidance's message) where ``constraint`` does not compile; needs no vocabulary, so the
-    HTTP server can refuse a bad schema before the request reaches the daemon."""
-    import llguidance
-
-    error = llguidance.LLMatcher.validate_grammar(grammar_text(constraint))
-    if error and not error.startswith("WARNING"):
-        raise ValueError(error)
 
 
 def check_constraint(constraint: StructuredOutputs) -> None:

@@ -282,7 +282,14 @@ class StepScheduler:
             seq.detokenizer, token_id, num_output, seq.stop_token_ids, seq.user_stop_token_ids,
             seq.request.params.min_tokens, seq.max_output_tokens)
         matcher = seq.matcher
-        if matcher is not None and finish_reason in (None, "length"):
+        if (matcher is not None and finish_reason == "stop" and token_id in seq.stop_token_ids
+                and token_id not in seq.user_stop_token_ids and not matcher.is_accepting()):
+            # EOS where the constraint cannot end (its mask failed, or a literal of it is the EOS token's text):
+            # the output does not meet it, so the stream does not end as if it did
+            finish_reason, stop_reason = "error", None
+            log.warning("request %s: EOS before its structured output was complete%s", seq.handle,
+                        f": {matcher.get_error()}" if matcher.is_error() else "")
+        elif matcher is not None and finish_reason in (None, "length"):
             if not matcher.consume_token(token_id) or matcher.is_error():
                 finish_reason, stop_reason = "error", None  # a dead end of the constraint: this stream alone
                 log.warning("request %s: its structured output reached a dead end: %s", seq.handle,

@@ -274,10 +274,10 @@ def structured_outputs_of(req: _Sampling) -> P.StructuredOutputs | None:
         elif kind == "json_schema":
             spec = rf.get("json_schema")
             schema = spec.get("schema") if isinstance(spec, dict) else None
-            if not isinstance(schema, dict):
+            if not isinstance(schema, (dict, bool)):
                 raise bad_request("response_format json_schema needs json_schema.schema, a JSON schema object",
                                   "response_format")
-            given.append(("response_format", P.StructuredOutputs(json=json.dumps(schema))))
+            given.append(("response_format", _structured({"json": json.dumps(schema)}, "response_format")))
         elif kind != "text":
             raise bad_request('response_format.type must be "text", "json_object" or "json_schema"',
                               "response_format")
@@ -318,7 +318,8 @@ def _structured(fields: dict, name: str) -> P.StructuredOutputs:
         msgspec.convert(msgspec.to_builtins(constraint), P.StructuredOutputs)
         constraint.kind  # exactly one
     except (msgspec.ValidationError, ValueError) as exc:
-        raise bad_request(f"{name}: {exc}", name) from None
+        message = str(exc).removeprefix("structured_outputs: ")  # the wire's own wording names the field too
+        raise bad_request(f"{name}: {message}", name) from None
     return constraint
 
 
@@ -352,11 +353,19 @@ def completion_prompts(req: CompletionRequest) -> list[Prompt]:
     return prompts
 
 
-def generate_params(req: _Sampling, max_tokens: int | None, stream: bool) -> dict:
+def has_constraint(req: _Sampling) -> bool:
+    """Whether ``req`` names an output constraint (:func:`structured_outputs_of` then has work to do)."""
+    return any(getattr(req, name) is not None for name in (
+        "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"))
+
+
+def generate_params(req: _Sampling, max_tokens: int | None, stream: bool,
+                    constraint: P.StructuredOutputs | None = None) -> dict:
     """Keyword arguments of ``AsyncClient.generate`` (besides the prompt) for one choice of ``req``.
 
     ``max_tokens`` None keeps the daemon's default; ``stream=False`` asks the
-    daemon for the text in one terminal chunk.
+    daemon for the text in one terminal chunk; ``constraint``: the request's
+    :func:`structured_outputs_of`, checked by the caller.
     """
     params: dict[str, Any] = {"stream": stream}
     if max_tokens is not None:
@@ -387,7 +396,6 @@ def generate_params(req: _Sampling, max_tokens: int | None, stream: bool) -> dic
             params["prompt_logprobs"] = req.logprobs
     elif isinstance(req, ChatCompletionRequest) and req.logprobs:
         params["logprobs"] = req.top_logprobs or 0
-    constraint = structured_outputs_of(req)
     if constraint is not None:
         params["structured_outputs"] = constraint
     return params

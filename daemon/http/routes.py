@@ -236,12 +236,20 @@ class HttpApi:
             raise S.ApiError(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
                              "invalid_request_error", None, "body_timeout") from None
 
+    @staticmethod
+    async def _constraint(req):
+        """The request's output constraint, checked on a thread: compiling a large schema takes milliseconds to
+        seconds, which would stall every other connection on the event loop."""
+        if not S.has_constraint(req):
+            return None
+        return await asyncio.get_running_loop().run_in_executor(None, S.structured_outputs_of, req)
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = S.decode_request(await self._body(request), S.CompletionRequest)
         prompts = S.completion_prompts(req)
         served = await self._check_model(req.model)
         jobs = G.jobs_of(prompts, req.n or 1)
-        params = S.generate_params(req, req.max_tokens, bool(req.stream))
+        params = S.generate_params(req, req.max_tokens, bool(req.stream), await self._constraint(req))
         rid, created = G.new_id("cmpl"), G.now_s()
         asked = req.logprobs is not None
         names = self._token_strings(served) if asked or (req.echo and any(isinstance(p, list) for p in prompts)) \
@@ -296,7 +304,7 @@ class HttpApi:
         else:
             prompt, max_tokens = await self._render(served, req, max_tokens)
         jobs = G.jobs_of([prompt], req.n or 1)
-        params = S.generate_params(req, max_tokens, bool(req.stream))
+        params = S.generate_params(req, max_tokens, bool(req.stream), await self._constraint(req))
         rid, created = G.new_id("chatcmpl"), G.now_s()
 
         names = self._token_strings(served) if req.logprobs else None

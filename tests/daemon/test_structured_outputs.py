@@ -211,3 +211,41 @@ def test_grammar_texts_are_kept_per_constraint():
     hits = grammar._grammar_text.cache_info().hits
     grammar_text(StructuredOutputs(choice=list(CHOICES)))  # equal constraint, another object
     assert grammar._grammar_text.cache_info().hits == hits + 1
+
+
+def test_eos_before_the_constraint_is_complete_ends_with_error_not_stop(default):
+    _, tokenizer = default
+    engine = engine_of(default)
+    eos_text = tokenizer.id_to_token(1)
+    requests = [
+        # a literal that is the EOS token's text: llguidance allows EOS there, mid-constraint
+        EngineRequest(0, [5, 6, 7], SamplingParams(max_tokens=20, temperature=0.0,
+                                                   structured_outputs=StructuredOutputs(regex=f"a{eos_text}b"))),
+        # a grammar no output meets: its mask allows EOS alone
+        EngineRequest(1, [5, 6, 7], SamplingParams(max_tokens=20, temperature=0.0,
+                                                   structured_outputs=StructuredOutputs(grammar='start: start "a"'))),
+        EngineRequest(2, [5, 6, 7], SamplingParams(max_tokens=20, temperature=0.0,
+                                                   structured_outputs=StructuredOutputs(choice=["yes", "no"]))),
+    ]
+    outputs = run(engine, requests)
+    assert outputs[0][-1].finish_reason == "error"
+    assert outputs[1][-1].finish_reason == "error"
+    assert outputs[2][-1].finish_reason == "stop"  # the others' streams are unharmed
+
+
+@pytest.mark.parametrize("schema,words", [("[" * 5000 + "]" * 5000, "nested too deeply"),
+                                          ("false", "admits no value")])
+def test_schemas_that_cannot_be_read_are_refused(schema, words):
+    with pytest.raises(ValueError, match=words):
+        grammar_text(StructuredOutputs(json=schema))
+
+
+def test_the_schema_true_admits_any_json(default):
+    _, tokenizer = default
+    engine = engine_of(default)
+    request = EngineRequest(0, [5, 6, 7], SamplingParams(max_tokens=60, temperature=0.0,
+                                                         structured_outputs=StructuredOutputs(json="true")))
+    outs = run(engine, [request])[0]  # accepted: not refused as "no object schema"
+    assert outs[-1].finish_reason in ("stop", "length")
+    if outs[-1].finish_reason == "stop":
+        json.loads("".join(o.text for o in outs))

@@ -79,6 +79,9 @@ def test_vllm_structured_outputs_and_guided_fields(api, body, check):
     ({"guided_grammar": "start: nowhere"}, "guided_grammar"),
     ({"guided_regex": "a+", "structured_outputs": {"regex": "b+"}}, "guided_regex"),
     ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": ["x" * 100] * 700}}}},
+     "response_format"),
+    ({"structured_outputs": {"json": "[" * 1000 + "]" * 1000}}, "structured_outputs"),
 ])
 def test_a_bad_constraint_is_a_400_naming_its_field_and_the_daemon_serves_on(api, body, param):
     with pytest.raises(openai.BadRequestError) as raised:

@@ -212,13 +212,13 @@ def test_generate_carries_sampling_as_one_nested_array():
     sampling = P.SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=4, seed=11, stop=["a", "bc"],
                                 stop_token_ids=[3], ignore_eos=True)
     frame = P.encode(P.Generate(id="r", prompt_token_ids=[1], sampling=sampling, priority=2))
-    nested = [7, 0.5, 0.9, 4, 11, ["a", "bc"], [3], True, 0.0, 0.0, 1.0, 0.0, 0, None, None]
+    nested = [7, 0.5, 0.9, 4, 11, ["a", "bc"], [3], True, 0.0, 0.0, 1.0, 0.0, 0, None, None, None]
     assert msgspec.msgpack.decode(frame)[:6] == ["generate", "r", None, [1], nested, 2]
     assert P.CLIENT_DECODER.decode(frame).sampling == sampling
 
 
 def test_sampling_params_of_a_newer_peer_decode_with_their_fields_ignored():
-    fields = [4, 0.0, 1.0, 0, None, [], [], False, 0.5, 0.0, 1.2, 0.1, 2, 3, None, "future"]
+    fields = [4, 0.0, 1.0, 0, None, [], [], False, 0.5, 0.0, 1.2, 0.1, 2, 3, None, None, "future"]
     frame = msgspec.msgpack.encode(["generate", "r", "x", None, fields, 1])
     msg = P.CLIENT_DECODER.decode(frame)
     assert msg.sampling == P.SamplingParams(max_tokens=4, temperature=0.0, presence_penalty=0.5,
