@@ -222,11 +222,39 @@ _PARAM_AT = re.compile(r"at `\$\.([A-Za-z_]+)")
 _MISSING = re.compile(r"missing required field `([A-Za-z_]+)`")
 
 
-def decode_request(body: bytes, kind: type[_Sampling]) -> _Sampling:
+class TokenizeRequest(Struct, forbid_unknown_fields=False, kw_only=True):
+    """``POST /tokenize`` (vLLM's): ``prompt`` (special tokens added unless ``add_special_tokens`` is false, as
+    the daemon tokenises a completion's prompt) or ``messages`` (rendered with the chat template, special tokens
+    not added unless asked, as a chat's prompt)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(Struct):
+    count: int
+    max_model_len: int | None
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(Struct, forbid_unknown_fields=False, kw_only=True):
+    """``POST /detokenize`` (vLLM's): the text of ``tokens``."""
+
+    model: str | None = None
+    tokens: Annotated[list[Annotated[int, Meta(ge=0, le=P.MAX_TOKEN_ID)]], Meta(max_length=P.MAX_PROMPT_TOKEN_IDS)]
+
+
+def decode_body(body: bytes, kind: type):
     """Decode a JSON request body into ``kind``; ApiError 400 naming the parameter at fault (also for JSON
     nested deeper than the interpreter's recursion limit, which msgspec's decoder enforces)."""
     try:
-        request = msgspec.json.decode(body, type=kind)
+        return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
         text = str(exc)
         match = _PARAM_AT.search(text) or _MISSING.search(text)
@@ -235,6 +263,13 @@ def decode_request(body: bytes, kind: type[_Sampling]) -> _Sampling:
         raise bad_request(f"the body is not valid JSON: {exc}") from None
     except RecursionError:
         raise bad_request("the body's JSON is nested too deeply") from None
+
+
+def decode_request(body: bytes, kind: type[_Sampling]) -> _Sampling:
+    """Decode a JSON request body into ``kind``; ApiError 400 naming the parameter at fault (also for JSON
+    nested deeper than the interpreter's recursion limit, which msgspec's decoder enforces), and for a
+    parameter the daemon cannot honour."""
+    request = decode_body(body, kind)
     _refuse_unsupported(request)
     return request
 

@@ -100,6 +100,9 @@ class HttpApi:
             web.get("/v1/models/{name:.+}", self.model),
             web.get("/health", self.health),
             web.get("/metrics", self.metrics),
+            web.post("/tokenize", self.tokenize),
+            web.post("/detokenize", self.detokenize),
+            web.get("/version", self.version),
         ])
 
     # -- middlewares ------------------------------------------------------------------------
@@ -214,6 +217,48 @@ class HttpApi:
             raise S.unavailable(f"the inference daemon is unavailable: {exc or 'no answer'}",
                                 "daemon_unavailable") from None
         return web.Response(body=text.encode(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/tokenize``: the token ids the daemon would read for a prompt, or for a chat's messages."""
+        req = S.decode_body(await self._body(request), S.TokenizeRequest)
+        served = await self._check_model(req.model)
+        tokenizer = self._load_tokenizer(served)
+        if (req.prompt is None) == (req.messages is None):
+            raise S.bad_request("give prompt or messages, one of them", "prompt")
+        if req.prompt is not None:
+            add_special = True if req.add_special_tokens is None else req.add_special_tokens
+            text = req.prompt
+        else:
+            if served.chat_template is None:
+                raise S.bad_request(served.template_error or "the model has no chat template", "messages",
+                                    "chat_template_error")
+            try:
+                text = render_chat_prompt(served.chat_template, _messages(req), req.add_generation_prompt,
+                                          req.chat_template_kwargs)
+            except ChatTemplateError as exc:
+                raise S.bad_request(str(exc), "messages", "chat_template_error") from None
+            add_special = bool(req.add_special_tokens)
+        encoding = (await asyncio.to_thread(tokenizer.encode_batch, [text], add_special_tokens=add_special))[0]
+        ids = encoding.ids
+        strs = [tokenizer.id_to_token(i) for i in ids] if req.return_token_strs else None
+        return _json(S.TokenizeResponse(count=len(ids), max_model_len=served.max_model_len, tokens=ids,
+                                        token_strs=strs))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/detokenize``: ``{"prompt": text}`` of ``tokens`` (special tokens kept, as vLLM's)."""
+        req = S.decode_body(await self._body(request), S.DetokenizeRequest)
+        served = await self._check_model(req.model)
+        tokenizer = self._load_tokenizer(served)
+        vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+        if any(t >= vocab for t in req.tokens):
+            raise S.bad_request(f"tokens: token id {max(req.tokens)} is outside the vocabulary of {vocab}", "tokens")
+        return web.json_response({"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)})
+
+    async def version(self, request: web.Request) -> web.Response:
+        """``{"version": ...}``: this server's (ringstream's) version, as vLLM's ``/version`` gives its own."""
+        from ringstream import __version__
+
+        return web.json_response({"version": __version__})
 
     def _card(self, served: ServedModel) -> S.ModelCard:
         return S.ModelCard(id=served.name, created=G.now_s(), root=served.path, max_model_len=served.max_model_len)

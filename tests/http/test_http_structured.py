@@ -90,3 +90,26 @@ def test_a_bad_constraint_is_a_400_naming_its_field_and_the_daemon_serves_on(api
     out = api.completions.create(model=MODEL, prompt="Return the", max_tokens=4, temperature=0,
                                  extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 4
+
+
+def test_tokenize_detokenize_and_version_as_vllm_serves_them(api):
+    http = api._client  # the SDK's httpx client, at the server's /v1
+    root = str(api.base_url).removesuffix("/v1/")
+    prompt = "Convert a string to a tuple"
+    done = api.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    tokens = http.post(f"{root}/tokenize", json={"model": MODEL, "prompt": prompt, "return_token_strs": True}).json()
+    assert tokens["count"] == len(tokens["tokens"]) == done.usage.prompt_tokens
+    assert len(tokens["token_strs"]) == tokens["count"] and tokens["max_model_len"] > 0
+    text = http.post(f"{root}/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]}).json()["prompt"]
+    assert prompt in text
+    messages = [{"role": "user", "content": "Judge it"}]
+    chat = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    counted = http.post(f"{root}/tokenize", json={"model": MODEL, "messages": messages}).json()
+    assert counted["count"] == chat.usage.prompt_tokens
+    bad = http.post(f"{root}/detokenize", json={"model": MODEL, "tokens": [10 ** 8]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    neither = http.post(f"{root}/tokenize", json={"model": MODEL})
+    assert neither.status_code == 400
+    import ringstream
+
+    assert http.get(f"{root}/version").json() == {"version": ringstream.__version__}
