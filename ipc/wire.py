@@ -234,7 +234,8 @@ def check_sampling(params: SamplingParams, vocab_size: int | None = None) -> Non
     The one check of sampling parameters, called by the front's validator and
     by every engine's ``check_request``: a decoded message meets the limits
     already, parameters built in Python (an engine driven directly) may not.
-    Raises ValueError naming the field (``... - at `top_p```), or for ``min_tokens`` above ``max_tokens``.
+    Raises ValueError naming the field (``... - at `top_p```), for ``min_tokens`` above ``max_tokens``, or for
+    ``structured_outputs`` that set no constraint or several (whether one compiles is the engine's check).
     """
     try:
         msgspec.convert(msgspec.to_builtins(params), SamplingParams)

@@ -20,6 +20,7 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
+from ringstream.daemon.http import constraints as C
 from ringstream.daemon.http import generation as G
 from ringstream.daemon.http import logprobs as L
 from ringstream.daemon.http import openai_schema as S
@@ -285,9 +286,9 @@ class HttpApi:
     async def _constraint(req):
         """The request's output constraint, checked on a thread: compiling a large schema takes milliseconds to
         seconds, which would stall every other connection on the event loop."""
-        if not S.has_constraint(req):
+        if not C.has_constraint(req):
             return None
-        return await asyncio.get_running_loop().run_in_executor(None, S.structured_outputs_of, req)
+        return await asyncio.get_running_loop().run_in_executor(None, C.structured_outputs_of, req)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = S.decode_request(await self._body(request), S.CompletionRequest)
