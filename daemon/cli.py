@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--http-unix", metavar="PATH", help="serve the HTTP API on this unix socket (mode 0600)")
     serve.add_argument("--api-key-file", metavar="FILE", help="bearer token HTTP clients must send")
     serve.add_argument("--served-model-name", help="the model's name in the HTTP API (default: its directory's)")
+    serve.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json", "none"],
+                       help="the call format the HTTP API's tool_choice auto reads (default auto: from the chat "
+                            "template)")
+    serve.add_argument("--http-unknown-fields", choices=["error", "warn"],
+                       help="an unknown HTTP request field: error (400 naming it, default) or warn (logged, served)")
     serve.add_argument("--max-concurrency", type=int, help="running requests per worker")
     serve.add_argument("--max-model-len", type=int, help="most prompt + output tokens per request "
                        "(default: the model's context)")
@@ -194,7 +199,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
         http=args.http, http_unix=args.http_unix, api_key_file=args.api_key_file,
-        served_model_name=args.served_model_name,
+        served_model_name=args.served_model_name, tool_call_parser=args.tool_call_parser,
+        http_unknown_fields=args.http_unknown_fields,
     )
     overrides = {k: v for k, v in overrides.items() if v is not None}
     try:

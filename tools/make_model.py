@@ -51,11 +51,18 @@ PAD_TOKEN = "<pad>"
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
 
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{{ bos_token }}{% if tools %}<|system|>\nYou may call these tools:\n<tools>\n{% for tool in tools %}"
+    "{{ tool | tojson }}\n{% endfor %}</tools>\nTo call one, answer with <tool_call>{\"name\": NAME, "
+    "\"arguments\": ARGUMENTS}</tool_call>.{{ eos_token }}\n{% endif %}"
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}"
+    "{% for call in message.tool_calls or [] %}<tool_call>{\"name\": {{ call.function.name | tojson }}, "
+    "\"arguments\": {{ call.function.arguments | tojson }}}</tool_call>{% endfor %}{{ eos_token }}\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-"""The default model's chat template (``tokenizer_config.json``): ``<s><|user|>\nhi</s>\n<|assistant|>\n``. The
-model never saw chats, so its replies are docstring prose; the template lets chat requests run end to end."""
+"""The default model's chat template (``tokenizer_config.json``): ``<s><|user|>\nhi</s>\n<|assistant|>\n``;
+with ``tools``, a system turn listing them and Hermes' call format (``<tool_call>{"name", "arguments"}
+</tool_call>``), which an assistant turn's ``tool_calls`` render in and a ``tool`` turn answers. The model never
+saw chats, so its replies are docstring prose; the template lets chat and tool requests run end to end."""
 
 VOCAB_SIZE = 4096
 HIDDEN_SIZE = 256

@@ -86,6 +86,8 @@ class ChatTemplate:
             self._template = _environment().from_string(source)
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"the model's chat template does not compile: {exc}") from None
+        self.source = source
+        """The template's text (what the HTTP server reads a tool call format from)."""
         self.bos_token = bos_token
         self.eos_token = eos_token
 

@@ -133,6 +133,12 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """File holding the bearer token HTTP clients must send (``Authorization: Bearer KEY``)."""
     served_model_name: str | None = None
     """The model's name in the HTTP API; None = the model directory's name."""
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "none"] = "auto"
+    """The tool call format the HTTP API's ``tool_choice`` auto reads from the model's output: ``auto`` = the one
+    its chat template shows (``<tool_call>``: hermes; ``<|python_tag|>``: llama3_json); ``none`` refuses auto."""
+    http_unknown_fields: Literal["error", "warn"] = "error"
+    """A request field the HTTP API does not know: ``error`` answers 400 naming it (OpenAI's behaviour), ``warn``
+    logs it and serves the request (vLLM's)."""
 
     def check(self) -> "Config":
         """Validate every field; returns self. Raises ValueError naming the bad value."""

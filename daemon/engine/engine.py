@@ -54,6 +54,7 @@ alone.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 
@@ -107,6 +108,8 @@ __all__ = [
 
 log = logging.getLogger("ringstream.engine")
 
+COMPILE_POLL_S = 0.002
+"""How long an idle step waits for a matcher being built, seconds (then the worker reads its commands again)."""
 _WARMUP_PROMPT_LEN = 4
 _WARMUP_MAX_TOKENS = 2
 CALIBRATION_TOKENS = 256
@@ -172,6 +175,8 @@ class Engine(BaseEngine):
         self._warmup_failure = ""
         self._grammars = GrammarCompiler(tokenizer, self.vocab_size,
                                          self.eos_token_ids[0] if self.eos_token_ids else None)
+        self._compiling: dict[int, tuple[SequenceState, concurrent.futures.Future]] = {}
+        """Constrained requests whose matchers are being built, by handle (not yet in the scheduler)."""
 
     @staticmethod
     def _check_model(model, text_config, config: EngineConfig) -> int:
@@ -258,13 +263,13 @@ class Engine(BaseEngine):
     def stats(self) -> EngineStats:
         """A snapshot of the running/waiting requests, the KV blocks and the preemption and prefix-cache counters."""
         blocks, scheduler = self._blocks, self._scheduler
-        return EngineStats(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+        return EngineStats(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting) + len(self._compiling),
                            num_blocks=blocks.num_usable_blocks, num_free_blocks=blocks.num_free_blocks,
                            num_preemptions=scheduler.num_preemptions, prefix_queries=blocks.prefix_queries,
                            prefix_hits=blocks.prefix_hits)
 
     def has_unfinished(self) -> bool:
-        return self._scheduler.has_unfinished()
+        return self._scheduler.has_unfinished() or bool(self._compiling)
 
     # ------------------------------------------------------------ interface
 
@@ -277,20 +282,54 @@ class Engine(BaseEngine):
                 invalid sampling parameters, a handle already in use, or
                 ``output_token_ids`` that already finish the request.
             CapacityError: ``max_num_seqs`` requests are already waiting or running.
+
+        A request with an output constraint waits for its matcher, built on the compile thread
+        (:meth:`GrammarCompiler.submit`); a constraint that does not compile ends it at a following ``step``
+        with a :class:`RequestError` marked ``invalid``.
         """
         scheduler = self._scheduler
-        if req.handle in scheduler.by_handle:
+        if req.handle in scheduler.by_handle or req.handle in self._compiling:
             raise ValueError(f"handle {req.handle} is already in use")
-        if len(scheduler.waiting) + len(scheduler.running) >= scheduler.max_num_seqs:
+        if len(scheduler.waiting) + len(scheduler.running) + len(self._compiling) >= scheduler.max_num_seqs:
             raise CapacityError(f"engine is full: {scheduler.max_num_seqs} unfinished requests")
-        scheduler.add(self._make_sequence(req.handle, req))
+        seq = self._make_sequence(req.handle, req, defer_matcher=True)
+        constraint = req.params.structured_outputs
+        if constraint is None:
+            scheduler.add(seq)
+        else:
+            self._grammars.precheck(constraint)
+            self._compiling[req.handle] = (seq, self._grammars.submit(constraint, req.output_token_ids))
 
     def abort(self, handle: int) -> bool:
         """Drop request ``handle``, freeing its blocks at once; True if it was unfinished.
 
         No further output is produced for it.
         """
+        compiling = self._compiling.pop(handle, None)
+        if compiling is not None:
+            compiling[1].cancel()
+            return True
         return self._scheduler.abort(handle)
+
+    def _admit_compiled(self, outputs: list) -> None:
+        """Queue the constrained requests whose matchers are ready; end those whose constraint failed. When
+        nothing else can run, wait a little for a compile (instead of spinning the step loop)."""
+        compiling = self._compiling
+        if not self._scheduler.has_unfinished() and not any(f.done() for _, f in compiling.values()):
+            concurrent.futures.wait([f for _, f in compiling.values()], COMPILE_POLL_S,
+                                    concurrent.futures.FIRST_COMPLETED)
+        for handle, (seq, future) in list(compiling.items()):
+            if not future.done():
+                continue
+            del compiling[handle]
+            try:
+                seq.matcher = future.result()
+            except ValueError as exc:
+                outputs.append(RequestError(handle, str(exc), invalid=True))
+            except Exception as exc:
+                outputs.append(RequestError(handle, f"structured_outputs: {type(exc).__name__}: {exc}"))
+            else:
+                self._scheduler.add(seq)
 
     def step(self) -> list[TokenOutput | RequestError]:
         """Schedule within the token budget, run one forward, sample; see the module docstring.
@@ -300,6 +339,8 @@ class Engine(BaseEngine):
         when the step only prefilled prompt chunks.
         """
         outputs: list[TokenOutput | RequestError] = []
+        if self._compiling:
+            self._admit_compiled(outputs)
         with torch.inference_mode():
             scheduled = self._scheduler.schedule()
             if scheduled:
@@ -387,8 +428,9 @@ class Engine(BaseEngine):
 
     # ------------------------------------------------------------ requests
 
-    def _make_sequence(self, handle: int | None, req: EngineRequest) -> SequenceState:
-        """Validate ``req`` and build its engine-side state."""
+    def _make_sequence(self, handle: int | None, req: EngineRequest, defer_matcher: bool = False) -> SequenceState:
+        """Validate ``req`` and build its engine-side state (its matcher too, unless ``defer_matcher``: the
+        caller builds it off the step loop)."""
         params = req.params
         prompt = req.prompt_token_ids
         output = req.output_token_ids
@@ -400,7 +442,8 @@ class Engine(BaseEngine):
         greedy = params.temperature <= GREEDY_TEMPERATURE_EPS
         seeded = params.seed is not None and not greedy
         constraint = params.structured_outputs
-        matcher = self._grammars.matcher(constraint, output) if constraint is not None else None
+        matcher = self._grammars.matcher(constraint, output) if constraint is not None and not defer_matcher \
+            else None
         self._next_seq_id += 1
         return SequenceState(
             seq_id=self._next_seq_id,
@@ -419,7 +462,8 @@ class Engine(BaseEngine):
             top_p=float(params.top_p),
             priority=req.priority,
             processed=(params.penalized or params.min_p > 0.0 or params.min_tokens > len(output)
-                       or params.logprobs is not None or params.prompt_logprobs is not None or matcher is not None),
+                       or params.logprobs is not None or params.prompt_logprobs is not None
+                       or constraint is not None),
             want_prompt_logprobs=params.prompt_logprobs is not None and not output,
             matcher=matcher,
         )

@@ -102,10 +102,13 @@ class RequestError:
     Attributes:
         handle: the request's handle.
         message: what failed, for the client.
+        invalid: the request cannot be served as asked (its output constraint does not compile, or its resumed
+            output does not meet it): the client's ``INVALID_REQUEST``, not an internal failure.
     """
 
     handle: int
     message: str
+    invalid: bool = False
 
 
 class EngineError(Exception):

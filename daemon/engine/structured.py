@@ -8,8 +8,11 @@ token is then fed to the matcher, and the stream ends with ``stop`` when the con
 
 Why llguidance and not xgrammar (vLLM's default): its wheel has no dependencies (xgrammar's pulls in triton and
 a tensor-FFI runtime), it builds masks without a per-schema compile step (a matcher for a typical schema is
-ready in under a millisecond, so no compile queue is needed to keep the step loop responsive), and it reads
-JSON schema, regex, Lark and GBNF grammars natively.
+ready in under a millisecond), and it reads JSON schema, regex, Lark and GBNF grammars natively.
+
+Matchers are built off the step loop (:meth:`GrammarCompiler.submit`, one thread per engine; llguidance
+releases the GIL while it compiles): a large schema's lexer can take tens of milliseconds to seconds, and the
+other streams keep stepping meanwhile. A constrained request is scheduled once its matcher is ready.
 
 The grammar text of each constraint is kept (:func:`ringstream.daemon.common.grammar.grammar_text`, an LRU),
 so a repeated schema costs only its matcher. A constraint llguidance cannot compile raises ValueError naming the field, which
@@ -22,6 +25,10 @@ Sources: llguidance (``guidance-ai/llguidance``: ``LLMatcher``, ``grammar_from``
 """
 
 from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future
 
 import torch
 
@@ -48,16 +55,48 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self._ll_tokenizer = None
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
 
     def ll_tokenizer(self):
-        if self._ll_tokenizer is None:
-            import llguidance.hf
-            from transformers import PreTrainedTokenizerFast
+        with self._lock:
+            if self._ll_tokenizer is None:
+                import llguidance.hf
+                from transformers import PreTrainedTokenizerFast
 
-            fast = PreTrainedTokenizerFast(tokenizer_object=self._tokenizer)
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(fast, n_vocab=self.vocab_size,
-                                                              eos_token=self.eos_token_id)
-        return self._ll_tokenizer
+                fast = PreTrainedTokenizerFast(tokenizer_object=self._tokenizer)
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(fast, n_vocab=self.vocab_size,
+                                                                  eos_token=self.eos_token_id)
+            return self._ll_tokenizer
+
+    def submit(self, constraint: StructuredOutputs, output_token_ids: list[int] = ()) -> Future:
+        """:meth:`matcher` on the compile thread (a daemon thread, so a compile still running never holds up
+        the process' exit): a Future of the matcher, or of its ValueError. A cancelled Future is skipped."""
+        future: Future = Future()
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._compile_loop, name="grammar", daemon=True)
+                self._thread.start()
+        self._jobs.put((future, constraint, list(output_token_ids)))
+        return future
+
+    def _compile_loop(self) -> None:
+        while True:
+            future, constraint, output = self._jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(self.matcher(constraint, output))
+            except BaseException as exc:  # handed to the step loop, which ends the request with it
+                future.set_exception(exc)
+
+    def precheck(self, constraint: StructuredOutputs) -> None:
+        """What can be refused at once, without compiling: ValueError for a constraint that names no kind or
+        several, and for a model without an EOS token."""
+        constraint.kind  # exactly one
+        if self.eos_token_id is None:
+            raise ValueError("structured_outputs: this model has no EOS token to end a constrained output")
 
     def matcher(self, constraint: StructuredOutputs, output_token_ids: list[int] = ()):
         """A matcher for ``constraint`` that has consumed ``output_token_ids`` (a resumed request's); ValueError

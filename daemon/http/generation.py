@@ -34,6 +34,7 @@ from typing import AsyncIterator, Callable
 from aiohttp import web
 
 from ringstream.daemon.http import openai_schema as S
+from ringstream.daemon.http import responses as R
 from ringstream.daemon.http.options import WRITE_TIMEOUT_S
 from ringstream.ipc import protocol as P
 from ringstream.ipc.client import AsyncClient
@@ -207,9 +208,9 @@ class Choices:
     def text(self, index: int) -> str:
         return "".join(self.texts.get(index, ()))
 
-    def usage(self) -> S.UsageBody:
+    def usage(self) -> R.UsageBody:
         prompt = sum(self.prompt_tokens.values())
-        return S.UsageBody(prompt, self.completion_tokens, prompt + self.completion_tokens)
+        return R.UsageBody(prompt, self.completion_tokens, prompt + self.completion_tokens)
 
 
 async def gather(client: AsyncClient, jobs: list[Job], params: dict) -> Choices:
@@ -223,9 +224,11 @@ async def gather(client: AsyncClient, jobs: list[Job], params: dict) -> Choices:
     return choices
 
 
-EventMaker = Callable[[Job, P.Chunk, "str | None", bool], "S.CompletionBody | S.ChatChunkBody"]
-"""``(job, chunk, finish_reason, first piece of this choice) -> the event's body``."""
-UsageMaker = Callable[[S.UsageBody], "S.CompletionBody | S.ChatChunkBody"]
+EventMaker = Callable[[Job, P.Chunk, "str | None", bool],
+                     "R.CompletionBody | R.ChatChunkBody | list[R.ChatChunkBody]"]
+"""``(job, chunk, finish_reason, first piece of this choice) -> the event's body`` (or a list of them, each an
+event, none for a chunk that adds nothing yet)."""
+UsageMaker = Callable[[R.UsageBody], "R.CompletionBody | R.ChatChunkBody"]
 
 
 async def stream_sse(request: web.Request, client: AsyncClient, jobs: list[Job], params: dict,
@@ -266,7 +269,9 @@ async def stream_sse(request: web.Request, client: AsyncClient, jobs: list[Job],
                     continue
                 first = job.index not in started
                 started.add(job.index)
-                await send(b"data: " + encode(make_event(job, item, finish, first)) + b"\n\n")
+                made = make_event(job, item, finish, first)
+                for body in made if isinstance(made, list) else (made,):
+                    await send(b"data: " + encode(body) + b"\n\n")
             else:
                 if make_usage is not None:
                     await send(b"data: " + encode(make_usage(choices.usage())) + b"\n\n")

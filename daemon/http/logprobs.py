@@ -15,7 +15,7 @@ count from 0), vLLM's rule; for text that decodes differently in context
 
 from __future__ import annotations
 
-from ringstream.daemon.http import openai_schema as S
+from ringstream.daemon.http import responses as R
 from ringstream.ipc import protocol as P
 
 __all__ = ["TokenStrings", "chat_logprobs", "completion_logprobs"]
@@ -62,7 +62,7 @@ class TokenStrings:
 
 
 def completion_logprobs(entries: list[P.TokenLogprob | None], ids: list[int], names: TokenStrings,
-                        start: int = 0) -> S.CompletionLogprobs:
+                        start: int = 0) -> R.CompletionLogprobs:
     """The ``logprobs`` of a completion choice: ``ids`` its tokens (echoed prompt first), ``entries`` their
     logprobs (None: a token without context, the prompt's first), ``start`` the text offset of the first."""
     tokens, values, tops, offsets = [], [], [], []
@@ -78,18 +78,18 @@ def completion_logprobs(entries: list[P.TokenLogprob | None], ids: list[int], na
         else:  # the chosen token and the top ones, as vLLM's completions answer them (up to logprobs + 1)
             values.append(_clamp(entry.logprob))
             tops.append({text: _clamp(entry.logprob)} | {names(t): _clamp(lp) for t, lp in entry.top})
-    return S.CompletionLogprobs(tokens, values, tops, offsets)
+    return R.CompletionLogprobs(tokens, values, tops, offsets)
 
 
 def _bytes(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
-def chat_logprobs(entries: list[P.TokenLogprob], names: TokenStrings) -> S.ChatLogprobs:
+def chat_logprobs(entries: list[P.TokenLogprob], names: TokenStrings) -> R.ChatLogprobs:
     """The ``logprobs`` of a chat choice or chunk: one entry per generated token, with its top list."""
     content = []
     for entry in entries:
         text = names(entry.token_id)
-        top = [S.TopLogprob(names(t), _clamp(lp), _bytes(names(t))) for t, lp in entry.top]
-        content.append(S.ChatTokenLogprob(text, _clamp(entry.logprob), _bytes(text), top))
-    return S.ChatLogprobs(content)
+        top = [R.TopLogprob(names(t), _clamp(lp), _bytes(names(t))) for t, lp in entry.top]
+        content.append(R.ChatTokenLogprob(text, _clamp(entry.logprob), _bytes(text), top))
+    return R.ChatLogprobs(content)

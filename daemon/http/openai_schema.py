@@ -1,33 +1,36 @@
-"""The OpenAI-compatible HTTP API's bodies: msgspec Structs of requests and responses, and their errors.
+"""The OpenAI-compatible HTTP API's requests: msgspec Structs of their bodies, their checks, and the API's errors.
 
 Requests (``POST /v1/completions``, ``POST /v1/chat/completions``) decode
 with :func:`decode_request` into :class:`CompletionRequest` or
 :class:`ChatCompletionRequest`; a body that is not JSON, has a wrong type or
 an out-of-range value raises :class:`ApiError` 400 naming the parameter.
-Unknown fields are ignored, as OpenAI clients send fields of newer API
-versions. :func:`generate_params` turns a request into the keyword
+A top-level field the API does not know is a 400 naming it, as OpenAI's API
+answers (``unknown_fields = "warn"``: logged and ignored, as vLLM does);
+fields other servers define that the daemon does not serve are accepted at
+their no-op values only (:data:`NOOP_VALUES`). :func:`generate_params` turns a request into the keyword
 arguments of :meth:`ringstream.ipc.client.AsyncClient.generate`: the
 sampling fields, the penalties (``presence_penalty``, ``frequency_penalty``,
 and vLLM's ``repetition_penalty``, ``min_p``, ``min_tokens``), completions'
 ``logprobs`` (an int; with ``echo`` the prompt's too) and chat's
 ``logprobs`` / ``top_logprobs``. Fields the daemon cannot honour
-(``suffix``, ``logit_bias``, ``best_of`` above ``n``, tools) are refused
-with 400 rather than silently ignored.
+(``suffix``, ``logit_bias``, ``best_of`` above ``n``) are refused with 400
+rather than silently ignored; ``tools`` are read by :mod:`ringstream.daemon.http.tools`.
 
-Responses are Structs encoded with :data:`JSON_ENCODER`; ``logprobs`` is
-``null`` unless asked (:mod:`ringstream.daemon.http.logprobs` builds it). The error body is OpenAI's ``{"error": {"message", "type",
-"param", "code"}}`` (:meth:`ApiError.body`); :func:`api_error_from` maps the
+The answers' Structs are in :mod:`ringstream.daemon.http.responses`. The error body is OpenAI's
+``{"error": {"message", "type", "param", "code"}}`` (:meth:`ApiError.body`); :func:`api_error_from` maps the
 client library's typed exceptions onto HTTP statuses.
 """
 
 from __future__ import annotations
 
+import logging
 import re
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 from msgspec import Meta, Struct
 
+from ringstream.daemon.http import tools as T
 from ringstream.ipc import protocol as P
 from ringstream.ipc.errors import (
     DaemonUnavailable, InvalidRequest, PromptTooLong, QueueFull, QueueTimeout, RingstreamError, ShuttingDown,
@@ -43,6 +46,7 @@ RETRY_AFTER_S = 1
 """``Retry-After`` of a 503 answer, seconds."""
 
 JSON_ENCODER = msgspec.json.Encoder()
+log = logging.getLogger("ringstream.http")
 
 TokenId = Annotated[int, Meta(ge=0, le=P.MAX_TOKEN_ID)]
 StopStrings = Union[
@@ -131,7 +135,7 @@ class StreamOptions(Struct, forbid_unknown_fields=False):
     include_usage: bool = False
 
 
-class _Sampling(Struct, forbid_unknown_fields=False, kw_only=True):
+class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
     """The fields completions and chat completions share (OpenAI's, then vLLM's extensions)."""
 
     model: str | None = None
@@ -168,6 +172,44 @@ class _Sampling(Struct, forbid_unknown_fields=False, kw_only=True):
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None
     """Accepted and not needed: the daemon has one grammar engine (llguidance)."""
+    request_id: str | None = None
+    """vLLM's; the answer's id is the server's own (the id is for tracing, not output)."""
+    # Fields other clients and routers send that the daemon serves only at their no-op values (:data:`NOOP_VALUES`):
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    include_stop_str_in_output: Any = None
+    no_stop_trim: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    return_hidden_states: Any = None
+    truncate_prompt_tokens: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    lora_path: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    safety_identifier: Any = None
+    prompt_cache_key: Any = None
+    stream_reasoning: Any = None
+    separate_reasoning: Any = None
+    include_reasoning: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    session_params: Any = None
+    continue_final_message: Any = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -190,11 +232,17 @@ class ContentPart(Struct, forbid_unknown_fields=False):
 
 
 class ChatMessage(Struct, forbid_unknown_fields=False):
-    """One message: ``content`` is a string, null, or a list of ``{"type": "text", "text": ...}`` parts."""
+    """One message: ``content`` is a string, null, or a list of ``{"type": "text", "text": ...}`` parts; an
+    assistant's may carry the ``tool_calls`` (or legacy ``function_call``) it made, a ``tool`` message the
+    ``tool_call_id`` it answers. Other fields (``refusal``, ``annotations``... of an answer sent back) are
+    ignored: they do not reach the prompt."""
 
     role: str
     content: Union[str, list[ContentPart], None] = None
     name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+    function_call: dict | None = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -208,9 +256,25 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     add_generation_prompt: bool = True
     """vLLM's: end the rendered prompt with the assistant's turn header."""
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: Annotated[list[T.ToolDef], Meta(max_length=T.MAX_TOOLS)] | None = None
+    tool_choice: T.ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    functions: Annotated[list[T.FunctionDef], Meta(max_length=T.MAX_TOOLS)] | None = None
+    """OpenAI's legacy spelling of ``tools``: answered with ``function_call``."""
+    function_call: T.FunctionCallChoice | None = None
 
+
+class _LenientCompletionRequest(CompletionRequest, forbid_unknown_fields=False):
+    pass
+
+
+class _LenientChatCompletionRequest(ChatCompletionRequest, forbid_unknown_fields=False):
+    pass
+
+
+_LENIENT: dict[type, type] = {CompletionRequest: _LenientCompletionRequest,
+                              ChatCompletionRequest: _LenientChatCompletionRequest}
+"""The request types that ignore unknown fields (``unknown_fields = "warn"``)."""
 
 _REQUEST_FIELDS = (frozenset(CompletionRequest.__struct_fields__) | frozenset(ChatCompletionRequest.__struct_fields__)) \
     - {"model", "user"}
@@ -264,17 +328,71 @@ def decode_body(body: bytes, kind: type):
         raise bad_request("the body's JSON is nested too deeply") from None
 
 
-def decode_request(body: bytes, kind: type[_Sampling]) -> _Sampling:
+def decode_request(body: bytes, kind: type[_Sampling], unknown_fields: str = "error") -> _Sampling:
     """Decode a JSON request body into ``kind``; ApiError 400 naming the parameter at fault (also for JSON
     nested deeper than the interpreter's recursion limit, which msgspec's decoder enforces), and for a
-    parameter the daemon cannot honour."""
-    request = decode_body(body, kind)
+    parameter the daemon cannot honour.
+
+    A top-level field the API does not know (a typo such as ``max_token``, or another server's extension)
+    is a 400 naming it, as OpenAI's API answers, when ``unknown_fields`` is ``error``; with ``warn`` it is
+    logged and the request served without it (vLLM's behaviour). Fields inside messages, tools and other
+    objects are not checked: clients send back answers' extra fields (``refusal``, ``annotations``).
+    """
+    try:
+        request = msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        match = _UNKNOWN.fullmatch(str(exc))
+        if match is None:
+            request = decode_body(body, kind)  # raises its ApiError
+        elif unknown_fields == "error":
+            raise bad_request(f"Unrecognized request argument supplied: {match.group(1)}", match.group(1),
+                              "unknown_field") from None
+        else:
+            request = decode_body(body, _LENIENT[kind])
+            unknown = sorted(set(msgspec.json.decode(body, type=dict[str, msgspec.Raw])) - set(kind.__struct_fields__))
+            log.warning("the request fields %s are not known; ignored", ", ".join(unknown))
+    except (msgspec.DecodeError, RecursionError):
+        request = decode_body(body, kind)  # raises its ApiError
     _refuse_unsupported(request)
     return request
 
 
+_UNKNOWN = re.compile(r"Object contains unknown field `([^`]*)`")
+
+
+_ANY = object()
+NOOP_VALUES: dict[str, tuple] = {
+    # vLLM's extensions, at the values that leave the output as the daemon makes it
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "include_stop_str_in_output": (False,),
+    "use_beam_search": (False,), "length_penalty": (1, 1.0), "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,), "truncate_prompt_tokens": (), "allowed_token_ids": (), "bad_words": ((), []),
+    "logits_processors": (), "cache_salt": (), "kv_transfer_params": (), "vllm_xargs": (),
+    # what vllm-router's typed requests add (SGLang's names)
+    "no_stop_trim": (False,), "return_hidden_states": (False,), "stream_reasoning": (True,),
+    "separate_reasoning": (True,), "include_reasoning": (True,), "lora_path": (), "regex": (), "ebnf": (),
+    "session_params": (), "continue_final_message": (False,),
+    # OpenAI's that do not shape the output, and those that do (served at null only)
+    "store": (False,), "metadata": (_ANY,), "service_tier": ("auto", "default"), "safety_identifier": (_ANY,),
+    "prompt_cache_key": (_ANY,), "modalities": (["text"],), "reasoning_effort": (), "verbosity": (), "audio": (),
+    "prediction": (), "web_search_options": (),
+}
+"""Fields known to the API whose other values the daemon does not serve: each is accepted null or at one of these
+values (the no-op ones: ``skip_special_tokens`` true is what the daemon does; ``_ANY``: a tag that changes no
+output), else a 400 naming it. Routers (vllm-router re-serialises every chat request with ``no_stop_trim``,
+``separate_reasoning``... at their defaults) and SDKs send them; refusing their defaults would break them,
+ignoring other values would serve a request the client did not ask for."""
+
+
 def _refuse_unsupported(req: _Sampling) -> None:
     """ApiError 400 for a parameter the daemon cannot honour (never ignored silently)."""
+    for name, allowed in NOOP_VALUES.items():
+        value = getattr(req, name)
+        if value is not None and _ANY not in allowed and not any(
+                value == ok and (type(value) is type(ok) or isinstance(ok, float) and not isinstance(value, bool))
+                for ok in allowed):
+            raise bad_request(f"{name} = {json_text(value)} is not supported"
+                              + (f" (only {', '.join(json_text(ok) for ok in allowed)} or null)" if allowed
+                                 else " (only null)"), name)
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
     if isinstance(req, CompletionRequest):
@@ -285,11 +403,15 @@ def _refuse_unsupported(req: _Sampling) -> None:
     elif isinstance(req, ChatCompletionRequest):
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-        if req.tools or req.tool_choice not in (None, "none"):
-            raise bad_request("tools are not supported", "tools")
     if req.guided_whitespace_pattern is not None:
         raise bad_request("guided_whitespace_pattern is not supported (structured_outputs' "
                           "whitespace_flexible is)", "guided_whitespace_pattern")
+
+
+def json_text(value) -> str:
+    """``value`` as JSON, cut to 40 characters (for an error message)."""
+    text = msgspec.json.encode(value).decode()
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 Prompt = Union[str, list[int]]
@@ -375,117 +497,3 @@ deadline ``timeout``."""
 
 def finish_reason(reason: str | None) -> str | None:
     return None if reason is None else FINISH_REASONS.get(str(reason), str(reason))
-
-
-# --------------------------------------------------------------------------
-# responses
-
-
-class UsageBody(Struct):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionLogprobs(Struct):
-    """A completion choice's ``logprobs``: per token its string, logprob, top ``{string: logprob}`` and its
-    offset in the choice's text (the echoed prompt's first token has null logprob and top)."""
-
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-class TopLogprob(Struct):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class ChatTokenLogprob(Struct):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(Struct):
-    """A chat choice's (or chunk's) ``logprobs``: one entry per generated token."""
-
-    content: list[ChatTokenLogprob]
-    refusal: None = None
-
-
-class CompletionChoice(Struct):
-    index: int
-    text: str
-    finish_reason: str | None
-    logprobs: CompletionLogprobs | None = None
-
-
-class CompletionBody(Struct):
-    """A ``text_completion`` (whole, or one SSE chunk of a stream with ``usage`` None)."""
-
-    id: str
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    object: Literal["text_completion"] = "text_completion"
-    usage: UsageBody | None = None
-
-
-class AssistantMessage(Struct):
-    content: str
-    role: Literal["assistant"] = "assistant"
-
-
-class ChatChoice(Struct):
-    index: int
-    message: AssistantMessage
-    finish_reason: str | None
-    logprobs: ChatLogprobs | None = None
-
-
-class ChatCompletionBody(Struct):
-    id: str
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageBody
-    object: Literal["chat.completion"] = "chat.completion"
-
-
-class Delta(Struct, omit_defaults=True):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(Struct):
-    index: int
-    delta: Delta
-    finish_reason: str | None
-    logprobs: ChatLogprobs | None = None
-
-
-class ChatChunkBody(Struct):
-    id: str
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    usage: UsageBody | None = None
-
-
-class ModelCard(Struct):
-    id: str
-    created: int
-    owned_by: str = "ringstream"
-    object: Literal["model"] = "model"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(Struct):
-    data: list[ModelCard]
-    object: Literal["list"] = "list"

@@ -33,6 +33,10 @@ MAX_HEADERS = 128
 """Most header fields of one request."""
 LINGER_S = 2.0
 """How long an answered connection still reads (and drops) a body its handler did not read, seconds."""
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")
+"""Values of ``tool_call_parser``: ``auto`` reads the format from the chat template."""
+UNKNOWN_FIELDS = ("error", "warn")
+"""Values of ``unknown_fields``."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,9 @@ class HttpOptions:
         max_body_bytes: largest request body (413 beyond).
         shutdown_grace_s: seconds requests in flight get to finish after SIGTERM.
         limits: timeouts and the connection cap.
+        tool_call_parser: the call format ``tool_choice`` auto reads: ``auto`` (from the chat template),
+            ``hermes``, ``llama3_json`` or ``none``.
+        unknown_fields: ``error`` (400 naming an unknown request field) or ``warn`` (logged, served).
     """
 
     socket_address: str | None = None
@@ -82,6 +89,14 @@ class HttpOptions:
     max_body_bytes: int = MAX_BODY_BYTES
     shutdown_grace_s: float = SHUTDOWN_GRACE_S
     limits: HttpLimits = field(default_factory=HttpLimits)
+    tool_call_parser: str = "auto"
+    unknown_fields: str = "error"
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(f"tool_call_parser = {self.tool_call_parser!r}: one of {', '.join(TOOL_CALL_PARSERS)}")
+        if self.unknown_fields not in UNKNOWN_FIELDS:
+            raise ConfigError(f"unknown_fields = {self.unknown_fields!r}: one of {', '.join(UNKNOWN_FIELDS)}")
 
     @classmethod
     def from_config(cls, config) -> "HttpOptions":
@@ -89,4 +104,5 @@ class HttpOptions:
         and hands the socket over, so ``listen`` is None."""
         return cls(socket_address=config.address(), listen=None, unix_path=config.http_unix,
                    api_key_file=config.api_key_file, model_name=config.served_model_name,
-                   shutdown_grace_s=config.drain_timeout_s)
+                   shutdown_grace_s=config.drain_timeout_s, tool_call_parser=config.tool_call_parser,
+                   unknown_fields=config.http_unknown_fields)

@@ -12,6 +12,7 @@ around it is :mod:`ringstream.daemon.http.server`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from ringstream.daemon.http import constraints as C
 from ringstream.daemon.http import generation as G
 from ringstream.daemon.http import logprobs as L
 from ringstream.daemon.http import openai_schema as S
+from ringstream.daemon.http import responses as R
+from ringstream.daemon.http import tools as T
 from ringstream.daemon.common.chat_template import ChatTemplate, ChatTemplateError, render_chat_prompt
 from ringstream.daemon.http.options import BODY_TIMEOUT_S, MAX_BODY_BYTES, WRITE_TIMEOUT_S
 from ringstream.ipc import protocol as P
@@ -79,12 +82,19 @@ class HttpApi:
         body_timeout_s: most time a body may take to arrive, seconds (408 beyond).
         write_timeout_s: most time a write may wait for a client that does not read, seconds; then the
             connection is aborted and its daemon requests cancelled.
+        tool_call_parser: the call format ``tool_choice`` auto reads (``hermes``, ``llama3_json``); ``auto``: the
+            one the chat template shows; ``none``: auto tool choice is refused.
+        unknown_fields: ``error`` answers a request field the API does not know with 400 naming it (OpenAI's
+            behaviour); ``warn`` logs it and serves the request (vLLM's).
     """
 
     def __init__(self, client: AsyncClient, *, model_name: str | None = None, api_key: str | None = None,
                  chat_template: str | Path | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-                 body_timeout_s: float = BODY_TIMEOUT_S, write_timeout_s: float = WRITE_TIMEOUT_S) -> None:
+                 body_timeout_s: float = BODY_TIMEOUT_S, write_timeout_s: float = WRITE_TIMEOUT_S,
+                 tool_call_parser: str = "auto", unknown_fields: str = "error") -> None:
         self.client = client
+        self.tool_call_parser = tool_call_parser
+        self.unknown_fields = unknown_fields
         self.body_timeout_s = body_timeout_s
         self.write_timeout_s = write_timeout_s
         self.model_name = model_name
@@ -261,12 +271,12 @@ class HttpApi:
 
         return web.json_response({"version": __version__})
 
-    def _card(self, served: ServedModel) -> S.ModelCard:
-        return S.ModelCard(id=served.name, created=G.now_s(), root=served.path, max_model_len=served.max_model_len)
+    def _card(self, served: ServedModel) -> R.ModelCard:
+        return R.ModelCard(id=served.name, created=G.now_s(), root=served.path, max_model_len=served.max_model_len)
 
     async def models(self, request: web.Request) -> web.Response:
         served = await self.served_model()
-        return _json(S.ModelList([self._card(served)]))
+        return _json(R.ModelList([self._card(served)]))
 
     async def model(self, request: web.Request) -> web.Response:
         served = await self._check_model(request.match_info["name"])
@@ -291,7 +301,7 @@ class HttpApi:
         return await asyncio.get_running_loop().run_in_executor(None, C.structured_outputs_of, req)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = S.decode_request(await self._body(request), S.CompletionRequest)
+        req = S.decode_request(await self._body(request), S.CompletionRequest, self.unknown_fields)
         prompts = S.completion_prompts(req)
         served = await self._check_model(req.model)
         jobs = G.jobs_of(prompts, req.n or 1)
@@ -306,13 +316,13 @@ class HttpApi:
 
         offsets: dict[int, int] = {}
 
-        def logprobs(index: int, ids: list[int], entries: list) -> S.CompletionLogprobs:
+        def logprobs(index: int, ids: list[int], entries: list) -> R.CompletionLogprobs:
             body = L.completion_logprobs(entries, ids, names, offsets.get(index, 0))
             if body.tokens:
                 offsets[index] = body.text_offset[-1] + len(body.tokens[-1])
             return body
 
-        def event(job: G.Job, chunk: P.Chunk, finish: str | None, first: bool) -> S.CompletionBody:
+        def event(job: G.Job, chunk: P.Chunk, finish: str | None, first: bool) -> R.CompletionBody:
             text, body = chunk.text, None
             if first:
                 text = echoed(job) + text
@@ -321,10 +331,10 @@ class HttpApi:
                 if req.echo and chunk.prompt_logprobs is not None:
                     ids, entries = (chunk.prompt_token_ids or []) + ids, chunk.prompt_logprobs + entries
                 body = logprobs(job.index, ids, entries)
-            return S.CompletionBody(rid, created, served.name, [S.CompletionChoice(job.index, text, finish, body)])
+            return R.CompletionBody(rid, created, served.name, [R.CompletionChoice(job.index, text, finish, body)])
 
         if req.stream:
-            usage = (lambda u: S.CompletionBody(rid, created, served.name, [], usage=u)) \
+            usage = (lambda u: R.CompletionBody(rid, created, served.name, [], usage=u)) \
                 if req.stream_options is not None and req.stream_options.include_usage else None
             return await G.stream_sse(request, self.client, jobs, params, event, usage, self.write_timeout_s)
         got = await G.gather(self.client, jobs, params)
@@ -335,57 +345,105 @@ class HttpApi:
                 prompt_ids, prompt_entries = got.prompt_logprobs.get(i, ([], [])) if req.echo else ([], [])
                 body = logprobs(i, prompt_ids + got.token_ids.get(i, []),
                                 list(prompt_entries) + got.logprobs.get(i, []))
-            choices.append(S.CompletionChoice(i, echoed(job) + got.text(i), got.finish.get(i), body))
-        return await G.send_json(request, S.CompletionBody(rid, created, served.name, choices, usage=got.usage()),
+            choices.append(R.CompletionChoice(i, echoed(job) + got.text(i), got.finish.get(i), body))
+        return await G.send_json(request, R.CompletionBody(rid, created, served.name, choices, usage=got.usage()),
                                  self.write_timeout_s)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        req = S.decode_request(await self._body(request), S.ChatCompletionRequest)
+        req = S.decode_request(await self._body(request), S.ChatCompletionRequest, self.unknown_fields)
         served = await self._check_model(req.model)
         if served.chat_template is None and served.template_error is not None:
             raise S.bad_request(served.template_error, "messages", "chat_template_error")
         max_tokens = req.max_completion_tokens or req.max_tokens
-        if self._daemon_renders(served, req, max_tokens):
+        constraint = await self._constraint(req)
+        plan = await self._tool_plan(served, req, constraint is not None)
+        if plan is not None and plan.constraint is not None:
+            constraint = plan.constraint
+        if plan is None and self._daemon_renders(served, req, max_tokens):
             prompt = tuple(_messages(req))  # G.Job: a tuple of messages, rendered and tokenised by the daemon
         else:
-            prompt, max_tokens = await self._render(served, req, max_tokens)
+            prompt, max_tokens = await self._render(served, req, max_tokens, plan)
         jobs = G.jobs_of([prompt], req.n or 1)
-        params = S.generate_params(req, max_tokens, bool(req.stream), await self._constraint(req))
+        params = S.generate_params(req, max_tokens, bool(req.stream), constraint)
         rid, created = G.new_id("chatcmpl"), G.now_s()
 
         names = self._token_strings(served) if req.logprobs else None
+        streams = {} if plan is None else {job.index: T.ToolStream(plan) for job in jobs}
+        roled: set[int] = set()
 
-        def event(job: G.Job, chunk: P.Chunk, finish: str | None, first: bool) -> S.ChatChunkBody:
-            text = chunk.text
-            delta = S.Delta(role="assistant", content=text) if first else S.Delta(content=text or None)
-            body = L.chat_logprobs(chunk.logprobs or [], names) if names is not None else None
-            return S.ChatChunkBody(rid, created, served.name, [S.ChatChunkChoice(job.index, delta, finish, body)])
+        def body(job: G.Job, delta: R.Delta, finish: str | None, logprobs) -> R.ChatChunkBody:
+            if job.index not in roled:
+                roled.add(job.index)
+                delta.role = "assistant"
+            return R.ChatChunkBody(rid, created, served.name, [R.ChatChunkChoice(job.index, delta, finish, logprobs)])
+
+        def event(job: G.Job, chunk: P.Chunk, finish: str | None, first: bool) -> list[R.ChatChunkBody]:
+            logprobs = L.chat_logprobs(chunk.logprobs or [], names) if names is not None else None
+            stream = streams.get(job.index)
+            if stream is None:
+                return [body(job, R.Delta(content=chunk.text or (None if job.index in roled else "")), finish,
+                             logprobs)]
+            pieces = stream.feed(chunk.text)
+            if finish is not None:
+                more, finish = stream.finish(finish)
+                pieces += more
+            deltas = [_delta(piece, plan.legacy) for piece in pieces]
+            deltas = [d for d in deltas if d is not None]
+            if not deltas and (finish is not None or logprobs is not None):
+                deltas = [R.Delta()]
+            return [body(job, delta, finish if i == len(deltas) - 1 else None, logprobs if i == 0 else None)
+                    for i, delta in enumerate(deltas)]
 
         if req.stream:
-            usage = (lambda u: S.ChatChunkBody(rid, created, served.name, [], usage=u)) \
+            usage = (lambda u: R.ChatChunkBody(rid, created, served.name, [], usage=u)) \
                 if req.stream_options is not None and req.stream_options.include_usage else None
             return await G.stream_sse(request, self.client, jobs, params, event, usage, self.write_timeout_s)
         got = await G.gather(self.client, jobs, params)
-        choices = [S.ChatChoice(i, S.AssistantMessage(got.text(i)), got.finish.get(i),
-                                L.chat_logprobs(got.logprobs.get(i, []), names) if names is not None else None)
-                   for i in range(len(jobs))]
-        return await G.send_json(request, S.ChatCompletionBody(rid, created, served.name, choices, got.usage()),
+        choices = []
+        for i in range(len(jobs)):
+            message, finish = R.AssistantMessage(got.text(i)), got.finish.get(i)
+            if plan is not None:
+                message, finish = _tool_message(T.ToolStream(plan), got.text(i), finish)
+            choices.append(R.ChatChoice(i, message, finish, L.chat_logprobs(got.logprobs.get(i, []), names)
+                                        if names is not None else None))
+        return await G.send_json(request, R.ChatCompletionBody(rid, created, served.name, choices, got.usage()),
                                  self.write_timeout_s)
 
+    async def _tool_plan(self, served: ServedModel, req: S.ChatCompletionRequest,
+                         constrained: bool) -> T.ToolPlan | None:
+        """The request's :class:`~ringstream.daemon.http.tools.ToolPlan` (None without tools); the
+        parameters schemas of ``required`` / named calls compile on a thread. ApiError 400 naming the field."""
+        if req.tools is None and req.functions is None and req.tool_choice is None and req.function_call is None:
+            return None
+        parser = self.tool_call_parser
+        if parser == "auto":
+            parser = T.parser_for_template(served.chat_template.source if served.chat_template else None)
+        elif parser == "none":
+            parser = None
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, functools.partial(
+                T.plan_tools, req.tools, req.tool_choice, req.functions, req.function_call,
+                req.parallel_tool_calls, parser, constrained))
+        except T.ToolRequestError as exc:
+            raise S.bad_request(str(exc), exc.param) from None
 
     def _daemon_renders(self, served: ServedModel, req: S.ChatCompletionRequest, max_tokens: int | None) -> bool:
         """Whether the daemon can render this chat as this server would: it takes ``messages``, with the model's
         own template (no ``--chat-template``), no ``chat_template_kwargs``, the generation prompt, and a
         ``max_tokens`` given (the rest of the context needs the prompt's token count here)."""
         return (served.daemon_renders_chat and served.chat_template is not None and self.chat_template_path is None
-                and not req.chat_template_kwargs and req.add_generation_prompt and max_tokens is not None)
+                and not req.chat_template_kwargs and req.add_generation_prompt and max_tokens is not None
+                and not any(m.tool_calls or m.function_call or m.tool_call_id for m in req.messages))
 
-    async def _render(self, served: ServedModel, req: S.ChatCompletionRequest,
-                      max_tokens: int | None) -> tuple[list[int], int | None]:
-        """The chat's token ids, rendered and tokenised here, and ``max_tokens`` (None: the rest of the context)."""
+    async def _render(self, served: ServedModel, req: S.ChatCompletionRequest, max_tokens: int | None,
+                      plan: T.ToolPlan | None = None) -> tuple[list[int], int | None]:
+        """The chat's token ids, rendered and tokenised here (``plan``'s tools handed to the template as
+        transformers does, its ``tools`` variable), and ``max_tokens`` (None: the rest of the context)."""
+        extra = dict(req.chat_template_kwargs or {})
+        if plan is not None:
+            extra["tools"] = plan.tools
         try:
-            text = render_chat_prompt(served.chat_template, _messages(req), req.add_generation_prompt,
-                                      req.chat_template_kwargs)
+            text = render_chat_prompt(served.chat_template, _messages(req), req.add_generation_prompt, extra)
         except ChatTemplateError as exc:
             raise S.bad_request(str(exc), "messages", "chat_template_error") from None
         ids = await self._tokens(served, text)
@@ -419,8 +477,44 @@ def _messages(req: S.ChatCompletionRequest) -> list[dict]:
             if any(part.type != "text" or part.text is None for part in content):
                 raise S.bad_request(f"messages[{i}]: only text content parts are supported", "messages")
             content = "".join(part.text for part in content)
-        item = {"role": msg.role, "content": "" if content is None else content}
+        role = "tool" if msg.role == "function" else msg.role  # the legacy function result, as templates read it
+        item = {"role": role, "content": "" if content is None else content}
         if msg.name is not None:
             item["name"] = msg.name
+        calls = T.message_tool_calls(msg.tool_calls if msg.tool_calls is not None else
+                                     [{"type": "function", "function": msg.function_call}] if msg.function_call
+                                     else None)
+        if calls is not None:
+            item["tool_calls"] = calls
+        if msg.tool_call_id is not None:
+            item["tool_call_id"] = msg.tool_call_id
         out.append(item)
     return out
+
+
+def _delta(piece: T.Piece, legacy: bool) -> R.Delta | None:
+    """The streamed delta of one piece of a tool-reading answer (None for an empty one)."""
+    if piece.call is not None:
+        call = piece.call
+        function = R.DeltaFunction(call.name, call.arguments)
+        if legacy:
+            return R.Delta(function_call=function) if call.index == 0 else None
+        return R.Delta(tool_calls=[R.DeltaToolCall(call.index, call.id, "function", function)])
+    if piece.more_arguments:
+        function = R.DeltaFunction(arguments=piece.more_arguments)
+        return R.Delta(function_call=function) if legacy else R.Delta(tool_calls=[R.DeltaToolCall(0, function=function)])
+    return R.Delta(content=piece.content) if piece.content else None
+
+
+def _tool_message(stream: T.ToolStream, text: str, finish: str | None) -> tuple[R.AssistantMessage, str | None]:
+    """A whole answer read for tool calls: its message and finish reason (the stream fed at once)."""
+    pieces = stream.feed(text)
+    more, finish = stream.finish(finish)
+    content = "".join(piece.content for piece in pieces + more)
+    calls = [R.ToolCallBody(c.id, R.FunctionCallBody(c.name, c.arguments)) for c in stream.calls]
+    message = R.AssistantMessage(content or (None if calls else ""))
+    if stream.plan.legacy and calls:
+        message.function_call = calls[0].function
+    elif calls:
+        message.tool_calls = calls
+    return message, finish

@@ -36,11 +36,11 @@ from pathlib import Path
 from aiohttp import web
 
 from ringstream.daemon.common.listen import ConfigError, check_listen_auth, parse_listen, read_api_key
-from ringstream.daemon.http.options import DEFAULT_LISTEN, MAX_BODY_BYTES, SHUTDOWN_GRACE_S, HttpOptions
 from ringstream.daemon.http.routes import HttpApi
 from ringstream.daemon.http.limits import ConnectionCap, fit_open_files
 from ringstream.daemon.http.options import (
-    BODY_TIMEOUT_S, KEEPALIVE_TIMEOUT_S, MAX_CONNECTIONS, WRITE_TIMEOUT_S, HttpLimits,
+    BODY_TIMEOUT_S, DEFAULT_LISTEN, KEEPALIVE_TIMEOUT_S, MAX_BODY_BYTES, MAX_CONNECTIONS, SHUTDOWN_GRACE_S,
+    TOOL_CALL_PARSERS, UNKNOWN_FIELDS, WRITE_TIMEOUT_S, HttpLimits, HttpOptions,
 )
 from ringstream.ipc.client import AsyncClient
 
@@ -99,7 +99,8 @@ class HttpServer:
         self.client = AsyncClient(options.socket_address)
         api = HttpApi(self.client, model_name=options.model_name, api_key=self.api_key,
                       chat_template=options.chat_template, max_body_bytes=options.max_body_bytes,
-                      body_timeout_s=self.limits.body_timeout_s, write_timeout_s=self.limits.write_timeout_s)
+                      body_timeout_s=self.limits.body_timeout_s, write_timeout_s=self.limits.write_timeout_s,
+                      tool_call_parser=options.tool_call_parser, unknown_fields=options.unknown_fields)
         # handler_cancellation: a client that disconnects cancels its handler, which cancels its daemon requests
         # (also a non-streaming one: aiohttp >= 3.9 cancels handlers on disconnect only when asked to)
         self._runner = web.AppRunner(api.app, handler_cancellation=True, access_log=None,
@@ -207,6 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--write-timeout", type=float, default=WRITE_TIMEOUT_S,
                         help="seconds a client may leave an answer unread before its connection is aborted and "
                              f"its requests cancelled (default {WRITE_TIMEOUT_S:g})")
+    parser.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
+                        help="the call format tool_choice auto reads (default: the one the chat template shows)")
+    parser.add_argument("--unknown-fields", default="error", choices=UNKNOWN_FIELDS,
+                        help="an unknown request field: error (400 naming it, OpenAI's) or warn (logged, served)")
     parser.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -224,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         options = HttpOptions(socket_address=args.socket, listen=listen, unix_path=args.unix,
                               api_key_file=args.api_key_file, model_name=args.served_model_name,
                               chat_template=args.chat_template, max_body_bytes=args.max_body_bytes,
-                              shutdown_grace_s=args.shutdown_grace, limits=limits)
+                              shutdown_grace_s=args.shutdown_grace, limits=limits,
+                              tool_call_parser=args.tool_call_parser, unknown_fields=args.unknown_fields)
         uvloop.run(run_http_server(options, print_ready=True))
     except ConfigError as exc:
         print(f"ringstream http: {exc}", file=sys.stderr)

@@ -328,7 +328,8 @@ class Worker:
     def _write_output(self, out) -> None:
         if isinstance(out, RequestError):  # that request's step failed; the others go on
             self.handles.discard(out.handle)
-            self._write_error(out.handle, P.ErrorCode.INTERNAL, out.message)
+            self._write_error(out.handle, P.ErrorCode.INVALID_REQUEST if out.invalid else P.ErrorCode.INTERNAL,
+                              out.message)
             return
         if out.prompt_logprobs is not None:
             self._write_prompt_logprobs(out.handle, out.prompt_logprobs)

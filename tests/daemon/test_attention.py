@@ -412,8 +412,8 @@ def test_bfloat16_engine_runs(model_dir):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kv_heads,group,rows,length,head_dim,value_dim",
                          [(4, 3, 16, 96, 64, 64), (2, 1, 5, 33, 32, 16), (1, 8, 3, 40, 16, 16), (8, 4, 1, 17, 8, 8)])
-def test_kv_head_major_decode_matmul_equals_the_row_major_one(dtype, kv_heads, group, rows, length, head_dim,
-                                                             value_dim):
+def test_kv_head_major_decode_matmul_matches_the_row_major_one(dtype, kv_heads, group, rows, length, head_dim,
+                                                              value_dim):
     from ringstream.daemon.engine.attention import _decode_matmul, decode_matmul_kv_major
 
     torch.manual_seed(kv_heads * 100 + length)
@@ -424,4 +424,7 @@ def test_kv_head_major_decode_matmul_equals_the_row_major_one(dtype, kv_heads, g
     valid[:, ..., 0] = True  # every row reads one position at least
     got = decode_matmul_kv_major(q, k, v, valid, 0.125)
     assert got.shape == (rows, kv_heads * group, value_dim) and got.dtype == dtype
-    assert torch.equal(got, _decode_matmul(q, k.transpose(0, 1), v.transpose(0, 1), valid, 0.125))
+    # the same sums in another batch layout: equal, or a rounding apart where the CPU's reduced-precision matmul
+    # kernel accumulates a layout in another order (float16 on one thread, on some hosts)
+    want = _decode_matmul(q, k.transpose(0, 1), v.transpose(0, 1), valid, 0.125)
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from ringstream.daemon.engine.engine import Engine, EngineConfig, EngineRequest, SamplingParams
+from ringstream.daemon.engine.engine import Engine, EngineConfig, EngineRequest, RequestError, SamplingParams
 from ringstream.daemon.common.grammar import grammar_text
 from ringstream.ipc.wire import StructuredOutputs
 from tests.factories import load_model, load_tokenizer
@@ -153,20 +154,55 @@ def test_greedy_rows_are_constrained_too(default):
 
 
 @pytest.mark.parametrize("constraint,words", [
-    (StructuredOutputs(json='{"type": "objectx"}'), "structured_outputs.json"),
-    (StructuredOutputs(json="{not json"), "structured_outputs.json: not JSON"),
-    (StructuredOutputs(regex="[0-9"), "structured_outputs.regex"),
-    (StructuredOutputs(grammar="start: undefined_rule"), "structured_outputs.grammar"),
     (StructuredOutputs(regex="a", choice=["b"]), "exactly one of"),
     (StructuredOutputs(), "got none"),
 ])
-def test_a_constraint_that_does_not_compile_is_refused_at_add(default, constraint, words):
+def test_a_constraint_of_no_kind_or_several_is_refused_at_add(default, constraint, words):
     engine = engine_of(default)
     with pytest.raises(ValueError, match=re.escape(words)):
         engine.add(EngineRequest(0, [5, 6, 7], SamplingParams(max_tokens=8, structured_outputs=constraint)))
     assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("constraint,words", [
+    (StructuredOutputs(json='{"type": "objectx"}'), "structured_outputs.json"),
+    (StructuredOutputs(json="{not json"), "structured_outputs.json: not JSON"),
+    (StructuredOutputs(regex="[0-9"), "structured_outputs.regex"),
+    (StructuredOutputs(grammar="start: undefined_rule"), "structured_outputs.grammar"),
+])
+def test_a_constraint_that_does_not_compile_ends_its_request_invalid_before_it_is_scheduled(default, constraint,
+                                                                                           words):
+    engine = engine_of(default)
+    engine.add(EngineRequest(0, [5, 6, 7], SamplingParams(max_tokens=8, structured_outputs=constraint)))
     engine.add(EngineRequest(1, [5, 6, 7], SamplingParams(max_tokens=4)))  # the engine serves on
-    assert len(run(engine, [])[1]) == 4
+    outputs = run(engine, [])
+    (error,) = outputs[0]
+    assert isinstance(error, RequestError) and error.invalid and words in error.message
+    assert len(outputs[1]) == 4 and not engine.has_unfinished()
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks  # nothing was allocated for it
+
+
+def test_a_slow_compile_does_not_stall_other_streams_and_can_be_aborted(default, monkeypatch):
+    engine = engine_of(default)
+    release = threading.Event()
+    real = engine._grammars.matcher
+
+    def slow(constraint, output=()):
+        release.wait(30)
+        return real(constraint, output)
+
+    monkeypatch.setattr(engine._grammars, "matcher", slow)
+    engine.add(EngineRequest(0, [5, 6, 7], SamplingParams(max_tokens=20, structured_outputs=CONSTRAINTS["regex"])))
+    engine.add(EngineRequest(1, [5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True)))
+    engine.add(EngineRequest(2, [5, 6, 8], SamplingParams(max_tokens=6, structured_outputs=CONSTRAINTS["choice"])))
+    free = []
+    while len(free) < 6:  # the free stream runs to its end while both compiles wait
+        free += [o for o in engine.step() if o.handle == 1]
+    assert engine.stats().num_waiting == 2 and engine.abort(2) and not engine.abort(2)
+    release.set()
+    outputs = run(engine, [])
+    assert 2 not in outputs and outputs[0][-1].finish_reason == "stop"
+    check("regex", "".join(o.text for o in outputs[0]))
 
 
 def test_a_resumed_request_continues_its_constraint(default):
@@ -185,9 +221,10 @@ def test_a_resumed_request_continues_its_constraint(default):
     assert resumed.output_token_ids == first.output_token_ids  # seeded: the same tokens, resumed
     check_schema(json.loads("".join(o.text for o in whole[:cut] + rest)))
     stray = tokenizer.encode("hello").ids
-    with pytest.raises(ValueError, match="do not meet structured_outputs.json"):
-        engine.add(EngineRequest(2, prompt, SamplingParams(max_tokens=50, structured_outputs=constraint),
-                                 output_token_ids=stray))
+    engine.add(EngineRequest(2, prompt, SamplingParams(max_tokens=50, structured_outputs=constraint),
+                             output_token_ids=stray))
+    (error,) = run(engine, [])[2]
+    assert error.invalid and "do not meet structured_outputs.json" in error.message
 
 
 def test_preempted_constrained_requests_stay_valid(default):

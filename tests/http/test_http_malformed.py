@@ -78,7 +78,9 @@ CASES = {
     "deeply nested arrays": (_json_post(b"[" * DEEP + b"]" * DEEP), 400, None),
     "deeply nested prompt": (_json_post(b'{"prompt": ' + b"[" * DEEP + b"]" * DEEP + b"}"), 400, "prompt"),
     "deeply nested unknown field": (_json_post(b'{"prompt": "x", "future": ' + b'{"a": ' * DEEP + b"1"
-                                               + b"}" * DEEP + b"}"), 400, None),
+                                               + b"}" * DEEP + b"}"), 400, "future"),
+    "deeply nested free-form field": (_json_post(b'{"prompt": "x", "response_format": ' + b'{"a": ' * DEEP + b"1"
+                                                 + b"}" * DEEP + b"}"), 400, None),
     "deeply nested chat_template_kwargs": (_json_post(b'{"messages": [{"role": "user", "content": "x"}], '
                                                       b'"chat_template_kwargs": {"k": ' + b"[" * DEEP + b"]" * DEEP
                                                       + b"}}", "/v1/chat/completions"), 400, None),
@@ -116,7 +118,7 @@ def test_malformed_requests_get_clean_4xx_and_the_server_keeps_serving(server):
 
 def test_a_deeply_nested_body_is_refused_quickly(server):
     start = time.monotonic()
-    status, answer = exchange(server.url, _json_post(b'{"prompt": "x", "future": ' + b"[" * 1_000_000
+    status, answer = exchange(server.url, _json_post(b'{"prompt": "x", "response_format": ' + b"[" * 1_000_000
                                                   + b"]" * 1_000_000 + b"}"))
     assert status == 400 and "nested too deeply" in json.loads(body_of(answer))["error"]["message"]
     assert time.monotonic() - start < 2.0

@@ -72,10 +72,25 @@ def test_bodies_that_are_not_a_json_object_are_400(body):
     assert info.value.status == 400
 
 
-def test_unknown_fields_are_ignored_and_params_map_to_the_client():
+def test_unknown_fields_are_400s_naming_them_or_with_warn_logged_and_ignored(caplog):
+    body = {"prompt": "x", "max_token": 9}
+    with pytest.raises(S.ApiError) as err:
+        decode(body)
+    assert err.value.status == 400 and err.value.param == "max_token" and "max_token" in err.value.message
+    with caplog.at_level("WARNING", "ringstream.http"):
+        req = S.decode_request(msgspec.json.encode({**body, "zz": [1]}), S.CompletionRequest, "warn")
+    assert req.prompt == "x" and req.max_tokens is None and "max_token, zz" in caplog.text
+    assert isinstance(req, S.CompletionRequest)
+    chat = {"messages": [{"role": "assistant", "content": "a", "refusal": None, "annotations": []}], "temprature": 1}
+    with pytest.raises(S.ApiError) as err:  # a message's extra fields pass; a top-level one does not
+        S.decode_request(msgspec.json.encode(chat), S.ChatCompletionRequest)
+    assert err.value.param == "temprature"
+
+
+def test_params_map_to_the_client():
     req = decode({"prompt": "x", "max_tokens": 9, "temperature": 0, "top_p": 0.5, "stop": "\n", "seed": 3,
                   "user": "u", "top_k": -1, "stop_token_ids": [2], "ignore_eos": True, "priority": -4,
-                  "some_future_field": {"a": 1}, "presence_penalty": 0, "best_of": 1})
+                  "presence_penalty": 0, "best_of": 1})
     assert S.generate_params(req, req.max_tokens, stream=False) == {
         "stream": False, "max_tokens": 9, "temperature": 0.0, "top_p": 0.5, "seed": 3, "stop": ["\n"],
         "stop_token_ids": [2], "ignore_eos": True, "priority": -4, "presence_penalty": 0.0}
