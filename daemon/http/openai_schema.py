@@ -344,13 +344,14 @@ def decode_request(body: bytes, kind: type[_Sampling], unknown_fields: str = "er
         match = _UNKNOWN.fullmatch(str(exc))
         if match is None:
             request = decode_body(body, kind)  # raises its ApiError
-        elif unknown_fields == "error":
-            raise bad_request(f"Unrecognized request argument supplied: {match.group(1)}", match.group(1),
-                              "unknown_field") from None
         else:
+            unknown = [name for name in msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+                       if name not in kind.__struct_fields__]
+            if unknown_fields == "error":
+                raise bad_request(f"Unrecognized request argument{'s' if len(unknown) > 1 else ''} supplied: "
+                                  f"{', '.join(unknown)}", unknown[0], "unknown_field") from None
             request = decode_body(body, _LENIENT[kind])
-            unknown = sorted(set(msgspec.json.decode(body, type=dict[str, msgspec.Raw])) - set(kind.__struct_fields__))
-            log.warning("the request fields %s are not known; ignored", ", ".join(unknown))
+            log.warning("unknown request field%s ignored: %s", "s" if len(unknown) > 1 else "", ", ".join(unknown))
     except (msgspec.DecodeError, RecursionError):
         request = decode_body(body, kind)  # raises its ApiError
     _refuse_unsupported(request)

@@ -423,7 +423,7 @@ class HttpApi:
         try:
             return await asyncio.get_running_loop().run_in_executor(None, functools.partial(
                 T.plan_tools, req.tools, req.tool_choice, req.functions, req.function_call,
-                req.parallel_tool_calls, parser, constrained))
+                req.parallel_tool_calls, parser, constrained, self.tool_call_parser == "none"))
         except T.ToolRequestError as exc:
             raise S.bad_request(str(exc), exc.param) from None
 

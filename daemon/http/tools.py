@@ -116,11 +116,11 @@ class ToolRequestError(ValueError):
 
 def plan_tools(tools: list[ToolDef] | None, tool_choice: ToolChoice | None, functions: list[FunctionDef] | None,
                function_call: FunctionCallChoice | None, parallel_tool_calls: bool | None,
-               parser: str | None, constrained: bool) -> ToolPlan | None:
+               parser: str | None, constrained: bool, parser_off: bool = False) -> ToolPlan | None:
     """The :class:`ToolPlan` of a chat request's tool fields; None when it has no tools (and names none).
 
     ``parser``: the call format of the served model (:func:`parser_for_template` or the setting), None when
-    unknown; ``constrained``: the request has its own output constraint (``response_format``...). Raises
+    unknown (``parser_off``: the server's ``tool_call_parser`` is ``none``); ``constrained``: the request has its own output constraint (``response_format``...). Raises
     ToolRequestError for both ``tools`` and ``functions``, a ``tool_choice`` without tools, a named function
     that is not among them, two tools of one name, ``auto`` without a known call format, ``required`` or a
     named function together with another output constraint, and a parameters schema that does not compile.
@@ -153,6 +153,7 @@ def plan_tools(tools: list[ToolDef] | None, tool_choice: ToolChoice | None, func
         if f.parameters is not None and f.parameters.get("type", "object") != "object":
             raise ToolRequestError(f"{field_tools}: the parameters of {f.name!r} must be an object schema",
                                    field_tools)
+        _json_constraint(_parameters(f), f"{field_tools}: the parameters schema of {f.name!r}", field_tools)
     rendered = [{"type": "function", "function": _function_dict(f)} for f in defs]
     if choice is None:
         choice = "auto"
@@ -160,9 +161,11 @@ def plan_tools(tools: list[ToolDef] | None, tool_choice: ToolChoice | None, func
         return ToolPlan(rendered, "none", legacy=legacy)
     if choice == "auto":
         if parser is None:
-            raise ToolRequestError(f"{field_choice} auto needs the model's tool call format, and its chat template "
-                                   f"shows none; set tool_call_parser ({' or '.join(PARSERS)}), or ask for "
-                                   f"{field_choice} required or a named function", field_choice)
+            why = "this server's tool_call_parser is none" if parser_off else (
+                f"the model's chat template shows none; set tool_call_parser ({' or '.join(PARSERS)})")
+            raise ToolRequestError(f"{field_choice} auto (the default with {field_tools}) needs the model's tool "
+                                   f"call format, and {why}; or ask for {field_choice} none, required or a named "
+                                   "function", field_choice)
         return ToolPlan(rendered, "auto", parser=parser, legacy=legacy)
     if constrained:
         raise ToolRequestError(f"{field_choice} {choice if isinstance(choice, str) else 'of a named function'} "
@@ -175,14 +178,16 @@ def plan_tools(tools: list[ToolDef] | None, tool_choice: ToolChoice | None, func
             raise ToolRequestError(f"{field_choice} names {name!r}, which is not among the {field_tools} "
                                    f"({', '.join(names)})", field_choice)
         schema = _parameters(by_name[name])
-        plan = ToolPlan(rendered, "named", name=name, constraint=_json_constraint(schema, field_tools), legacy=legacy)
-        return plan
+        return ToolPlan(rendered, "named", name=name, legacy=legacy,
+                        constraint=_json_constraint(schema, f"{field_tools}: the parameters schema of {name!r}",
+                                                    field_tools))
     call = [{"type": "object", "properties": {"name": {"const": f.name}, "parameters": _parameters(f)},
              "required": ["name", "parameters"], "additionalProperties": False} for f in defs]
     schema = {"type": "array", "minItems": 1, "items": call[0] if len(call) == 1 else {"anyOf": call}}
     if not parallel:
         schema["maxItems"] = 1
-    return ToolPlan(rendered, "required", constraint=_json_constraint(schema, field_tools), legacy=legacy)
+    return ToolPlan(rendered, "required", legacy=legacy,
+                    constraint=_json_constraint(schema, f"{field_tools}: the calls' schema", field_tools))
 
 
 def _first_repeat(names: list[str]) -> str:
@@ -206,12 +211,13 @@ def _parameters(f: FunctionDef) -> dict:
     return f.parameters if f.parameters is not None else {"type": "object", "properties": {}}
 
 
-def _json_constraint(schema: dict, param: str) -> P.StructuredOutputs:
+def _json_constraint(schema: dict, what: str, param: str) -> P.StructuredOutputs:
+    """The constraint of ``schema``, compiled (cached by its text); ToolRequestError naming ``what``."""
     constraint = P.StructuredOutputs(json=json.dumps(schema))
     try:
         check_constraint(constraint)
     except ValueError as exc:
-        raise ToolRequestError(f"{param}: a parameters schema does not compile: {exc}", param) from None
+        raise ToolRequestError(f"{what} does not compile: {exc}", param) from None
     return constraint
 
 
@@ -296,10 +302,10 @@ class ToolStream:
             else:
                 pieces += self._add_calls(calls)
         elif self.plan.parser == "llama3_json" and self._buffering:
-            calls = _llama_calls(held)
+            calls = self._known(_llama_calls(held))
             pieces += [Piece(held)] if calls is None else self._add_calls(calls)
         elif self._in_call:  # ended before </tool_call>: a call if what came parses
-            calls = _hermes_call(held)
+            calls = self._known(_hermes_call(held))
             pieces += [Piece(_HERMES_OPEN + held)] if calls is None else self._add_calls(calls)
         elif held:
             pieces.append(Piece(held))
@@ -309,6 +315,12 @@ class ToolStream:
         if self.calls and finish_reason == "stop" and self.plan.choice in ("auto", "required"):
             finish_reason = "function_call" if self.plan.legacy else "tool_calls"
         return pieces, finish_reason
+
+    def _known(self, calls: list[tuple[str, str]] | None) -> list[tuple[str, str]] | None:
+        """``calls`` if each names one of the request's tools, else None (a call to a tool not offered stays text:
+        a client dispatching by name has nothing to run it with)."""
+        names = {tool["function"]["name"] for tool in self.plan.tools}
+        return calls if calls is not None and all(name in names for name, _ in calls) else None
 
     def _add_calls(self, calls: list[tuple[str, str]]) -> list[Piece]:
         pieces = []
@@ -328,7 +340,7 @@ class ToolStream:
                 if end < 0:
                     self._held = buf
                     return pieces
-                calls = _hermes_call(buf[:end])
+                calls = self._known(_hermes_call(buf[:end]))
                 pieces += [Piece(_HERMES_OPEN + buf[:end + len(_HERMES_CLOSE)])] if calls is None \
                     else self._add_calls(calls)
                 self._in_call = False
@@ -390,7 +402,7 @@ def _arguments(value) -> str | None:
             return None
     if not isinstance(value, dict):
         return None
-    return json.dumps(value, ensure_ascii=False)
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def _hermes_call(body: str) -> list[tuple[str, str]] | None:

@@ -126,6 +126,8 @@ def test_legacy_functions_answer_with_function_call(api):
     ({"tools": [{"type": "retrieval"}]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "x": {"type": 7}}}}}], "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "nosuch"}}}}}]}, "tools"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": TOOLS, "functions": [CLOCK["function"]]}, "functions"),
     ({"max_token": 5}, "max_token"),

@@ -77,6 +77,8 @@ def test_unknown_fields_are_400s_naming_them_or_with_warn_logged_and_ignored(cap
     with pytest.raises(S.ApiError) as err:
         decode(body)
     assert err.value.status == 400 and err.value.param == "max_token" and "max_token" in err.value.message
+    with pytest.raises(S.ApiError, match="arguments supplied: max_token, temprature"):
+        decode({**body, "temprature": 1})
     with caplog.at_level("WARNING", "ringstream.http"):
         req = S.decode_request(msgspec.json.encode({**body, "zz": [1]}), S.CompletionRequest, "warn")
     assert req.prompt == "x" and req.max_tokens is None and "max_token, zz" in caplog.text

@@ -58,6 +58,12 @@ def test_hermes_text_that_only_looks_like_a_call_stays_text():
     assert read(plan(), "  \n") == ("  \n", [], "stop")  # white space alone is the answer
 
 
+def test_a_call_to_a_tool_not_offered_stays_text():
+    text = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
+    assert read(plan(), text) == (text, [], "stop")
+    assert read(plan(parser="llama3_json"), '{"name": "rm_rf", "parameters": {}}')[1] == []
+
+
 def test_llama3_json_calls():
     p = plan(parser="llama3_json")
     text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "get_time", ' \
