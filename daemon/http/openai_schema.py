@@ -345,8 +345,7 @@ def decode_request(body: bytes, kind: type[_Sampling], unknown_fields: str = "er
         if match is None:
             request = decode_body(body, kind)  # raises its ApiError
         else:
-            unknown = [name for name in msgspec.json.decode(body, type=dict[str, msgspec.Raw])
-                       if name not in kind.__struct_fields__]
+            unknown = _unknown_fields(body, kind) or [match.group(1)]
             if unknown_fields == "error":
                 raise bad_request(f"Unrecognized request argument{'s' if len(unknown) > 1 else ''} supplied: "
                                   f"{', '.join(unknown)}", unknown[0], "unknown_field") from None
@@ -359,6 +358,16 @@ def decode_request(body: bytes, kind: type[_Sampling], unknown_fields: str = "er
 
 
 _UNKNOWN = re.compile(r"Object contains unknown field `([^`]*)`")
+
+
+def _unknown_fields(body: bytes, kind: type[_Sampling]) -> list[str]:
+    """The top-level field names of ``body`` that ``kind`` does not know, in order; empty when the body's
+    values nest deeper than the decoder's recursion limit (the caller then names the first one msgspec saw)."""
+    try:
+        names = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return []
+    return [name for name in names if name not in kind.__struct_fields__]
 
 
 _ANY = object()
