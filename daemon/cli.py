@@ -67,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "template)")
     serve.add_argument("--http-unknown-fields", choices=["error", "warn"],
                        help="an unknown HTTP request field: error (400 naming it, default) or warn (logged, served)")
+    serve.add_argument("--kv-events", dest="kv_events_endpoint", metavar="ENDPOINT",
+                       help="publish KV-cache events in vLLM's format on a ZeroMQ PUB socket bound here "
+                            "(tcp://HOST:PORT, worker i on PORT+i), for KV-aware routers")
+    serve.add_argument("--kv-events-replay", dest="kv_events_replay_endpoint", metavar="ENDPOINT",
+                       help="and a ZeroMQ ROUTER here that resends missed event batches")
+    serve.add_argument("--kv-events-topic", dest="kv_events_topic", metavar="TOPIC",
+                       help="the topic frame of the KV events messages (default empty)")
     serve.add_argument("--max-concurrency", type=int, help="running requests per worker")
     serve.add_argument("--max-model-len", type=int, help="most prompt + output tokens per request "
                        "(default: the model's context)")
@@ -200,7 +207,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
         http=args.http, http_unix=args.http_unix, api_key_file=args.api_key_file,
         served_model_name=args.served_model_name, tool_call_parser=args.tool_call_parser,
-        http_unknown_fields=args.http_unknown_fields,
+        http_unknown_fields=args.http_unknown_fields, kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint, kv_events_topic=args.kv_events_topic,
     )
     overrides = {k: v for k, v in overrides.items() if v is not None}
     try:

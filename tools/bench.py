@@ -56,7 +56,7 @@ from pathlib import Path
 # (daemon.front.worker_pool.HUGE_PAGES_ENV); PyTorch reads this at its first allocation.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-from ringstream.tools import bench_kv, bench_vllm  # noqa: E402
+from ringstream.tools import bench_cluster, bench_kv, bench_vllm  # noqa: E402
 from ringstream.tools.bench_stats import RequestRecord, cdf, itl_samples, summarize, timeline  # noqa: E402
 from ringstream.tools.loadgen import Dist, LoadConfig, WorkloadError, WorkloadSpec, parse_priority_mix, run_load  # noqa: E402
 
@@ -925,6 +925,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_kv.add_parser(sub)
     bench_vllm.add_parser(sub)
+    bench_cluster.add_parser(sub)
 
     cmp = sub.add_parser("compare", help="daemon against baselines and the serving-layer ceilings, one table")
     preset = cmp.add_mutually_exclusive_group()
@@ -1032,6 +1033,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run_command(args, command)
         if args.command == "kv":
             return bench_kv.command(args)
+        if args.command == "cluster":
+            return bench_cluster.command(args)
         if args.command == "vllm":
             return bench_vllm.command(args, command)
         return _compare_command(args, command)

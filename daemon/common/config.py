@@ -14,7 +14,7 @@ from typing import Literal
 import msgspec
 
 from ringstream.daemon.common.engine_config import ENGINE_DEFAULTS, EngineConfig
-from ringstream.daemon.common.listen import is_loopback_host, parse_listen
+from ringstream.daemon.common.listen import is_loopback_host, offset_endpoint, parse_listen
 from ringstream.ipc.address import default_socket, runtime_dir  # noqa: F401  (re-exported)
 
 INSTANCE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -139,6 +139,17 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     http_unknown_fields: Literal["error", "warn"] = "error"
     """A request field the HTTP API does not know: ``error`` answers 400 naming it (OpenAI's behaviour), ``warn``
     logs it and serves the request (vLLM's)."""
+    kv_events_endpoint: str | None = None
+    """Publish KV-cache events (blocks stored in and evicted from the prefix cache) in vLLM's format on a ZeroMQ
+    PUB socket bound here, ``tcp://HOST:PORT`` (``*`` for every interface) or ``ipc://PATH``, for KV-aware
+    routers (vllm-router ``--policy kv_aware``, llm-d). Worker ``i`` binds PORT + ``i`` (PATH.``i`` past 0),
+    as vLLM's data-parallel ranks do. The events carry prompt token ids: bind where only the router can
+    connect. None = off."""
+    kv_events_replay_endpoint: str | None = None
+    """Also bind a ZeroMQ ROUTER here that resends buffered event batches to a subscriber that missed some
+    (vLLM's replay protocol); per worker as ``kv_events_endpoint``. Needs ``kv_events_endpoint``."""
+    kv_events_topic: str = ""
+    """The topic frame of every KV events message (vLLM's ``topic``; empty by default, as vLLM's)."""
 
     def check(self) -> "Config":
         """Validate every field; returns self. Raises ValueError naming the bad value."""
@@ -176,7 +187,22 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError(f"worker_threads = {self.worker_threads}: must be >= 0")
         parse_devices(self.devices)
         self._check_http()
+        self._check_kv_events()
         return self
+
+    def _check_kv_events(self) -> None:
+        """``kv_events_*``; ValueError naming the bad one."""
+        if self.kv_events_endpoint is None:
+            if self.kv_events_replay_endpoint is not None:
+                raise ValueError("kv_events_replay_endpoint is set but kv_events_endpoint is not")
+            return
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            if getattr(self, name) is not None:
+                offset_endpoint(getattr(self, name), 0)
+        if self.kv_events_replay_endpoint == self.kv_events_endpoint:
+            raise ValueError("kv_events_replay_endpoint: must differ from kv_events_endpoint")
+        if len(self.kv_events_topic.encode()) > 256:
+            raise ValueError("kv_events_topic: at most 256 bytes")
 
     def _check_http(self) -> None:
         """``http``/``http_unix``/``api_key_file``/``served_model_name``; ValueError naming the bad one."""

@@ -1,11 +1,12 @@
-"""The HTTP listen address (``HOST:PORT``), its auth rule and the API key file. No sockets opened here."""
+"""The HTTP listen address (``HOST:PORT``), its auth rule and the API key file; the KV events endpoints. No
+sockets opened here."""
 
 from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
 
-__all__ = ["ConfigError", "check_listen_auth", "is_loopback_host", "parse_listen", "read_api_key"]
+__all__ = ["ConfigError", "check_listen_auth", "is_loopback_host", "parse_listen", "offset_endpoint", "read_api_key"]
 
 
 class ConfigError(ValueError):
@@ -48,3 +49,23 @@ def check_listen_auth(host: str | None, api_key: str | None) -> None:
     if host is not None and not is_loopback_host(host) and api_key is None:
         raise ConfigError(f"listening on {host!r}, which is not a loopback address, needs an API key: "
                           f"give --api-key-file (api_key_file=), or listen on 127.0.0.1")
+
+
+def offset_endpoint(endpoint: str, index: int) -> str:
+    """``endpoint`` for worker ``index``: a ``tcp://HOST:PORT`` address with PORT + ``index`` (vLLM's
+    ``offset_endpoint_port`` for data-parallel ranks), an ``ipc://PATH`` with ``.index`` appended past 0.
+
+    Raises:
+        ValueError: not ``tcp://HOST:PORT`` or ``ipc://PATH``, or the port leaves 1..65535.
+    """
+    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+        return endpoint if index == 0 else f"{endpoint}.{index}"
+    if not endpoint.startswith("tcp://"):
+        raise ValueError(f"KV events endpoint {endpoint!r}: use tcp://HOST:PORT or ipc://PATH")
+    host, sep, port = endpoint[len("tcp://"):].rpartition(":")
+    if not sep or not host or not port.isascii() or not port.isdigit():
+        raise ValueError(f"KV events endpoint {endpoint!r}: use tcp://HOST:PORT (HOST may be *)")
+    if not 1 <= int(port) + index <= 65535:
+        raise ValueError(f"KV events endpoint {endpoint!r}: port {int(port) + index} (worker {index}) is out "
+                         "of 1..65535")
+    return f"tcp://{host}:{int(port) + index}"

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from ringstream.daemon.common.prefix_hash import block_hashes
 
-__all__ = ["BlockManager", "NoFreeBlocks", "NULL_BLOCK"]
+__all__ = ["BlockManager", "BlocksCleared", "BlocksRemoved", "BlocksStored", "NoFreeBlocks", "NULL_BLOCK"]
 
 NULL_BLOCK = 0
 """Block id of the zero-filled null block that padding points at; never allocated."""
@@ -46,6 +46,29 @@ DEFAULT_BLOCK_SIZE = 16
 
 class NoFreeBlocks(Exception):
     """Not enough free blocks for an allocation; nothing was changed."""
+
+
+@dataclass(slots=True)
+class BlocksStored:
+    """Full blocks that entered the prefix cache, in prefix order (one sequence's, consecutive)."""
+
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    """Key of the block before the first one; None when the first is the sequence's first block."""
+    token_ids: list[int]
+    """The blocks' token ids, ``block_size`` per block."""
+
+
+@dataclass(slots=True)
+class BlocksRemoved:
+    """Cached blocks evicted (their keys no longer name KV in the pool)."""
+
+    block_hashes: list[bytes]
+
+
+@dataclass(slots=True)
+class BlocksCleared:
+    """Every cached prefix forgotten (:meth:`BlockManager.reset_prefix_cache`)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -95,6 +118,24 @@ class BlockManager:
         """Prompt tokens looked up in the prefix cache (counter)."""
         self.prefix_hits = 0
         """Prompt tokens found there (counter)."""
+        self._events: list[BlocksStored | BlocksRemoved | BlocksCleared] | None = None
+
+    # ------------------------------------------------------------ cache events
+
+    def record_events(self, enabled: bool = True) -> None:
+        """Start (or stop) recording what enters and leaves the prefix cache, for :meth:`take_events`."""
+        self._events = [] if enabled else None
+
+    def take_events(self) -> list[BlocksStored | BlocksRemoved | BlocksCleared]:
+        """The prefix-cache changes since the last call, in order (empty when not recording).
+
+        A key listed as stored names KV in the pool until a later removed or cleared event lists it; the
+        sequence of events replayed from the start gives exactly :attr:`num_cached_blocks` live keys.
+        """
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
 
     # ------------------------------------------------------------ figures
 
@@ -226,12 +267,22 @@ class BlockManager:
         if len(table.hashes) >= full:
             return
         parent = table.hashes[-1] if table.hashes else None
+        stored: BlocksStored | None = None
         for key in block_hashes(token_ids[:full * self.block_size], self.block_size, len(table.hashes), parent):
-            block = table.blocks[len(table.hashes)]
+            index = len(table.hashes)
+            block = table.blocks[index]
             table.hashes.append(key)
             if block.block_hash is None and key not in self._cached:
                 block.block_hash = key
                 self._cached[key] = block
+                if self._events is not None:
+                    if stored is None:
+                        stored = BlocksStored([], table.hashes[index - 1] if index else None, [])
+                        self._events.append(stored)
+                    stored.block_hashes.append(key)
+                    stored.token_ids.extend(token_ids[index * self.block_size:(index + 1) * self.block_size])
+            else:
+                stored = None  # a run of stored blocks is consecutive: the next one starts a new event
 
     def free(self, seq_id: int) -> None:
         """Return every block of ``seq_id``; cached ones stay reusable until evicted. Unknown ids are ignored.
@@ -253,6 +304,8 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use keep their contents)."""
+        if self._events is not None:
+            self._events.append(BlocksCleared())
         for block in self._free_cached.values():
             block.block_hash = None
             self._free_uncached.append(block)
@@ -287,6 +340,11 @@ class BlockManager:
         else:
             _, block = self._free_cached.popitem(last=False)
             del self._cached[block.block_hash]
+            if self._events is not None:
+                if self._events and isinstance(self._events[-1], BlocksRemoved):
+                    self._events[-1].block_hashes.append(block.block_hash)
+                else:
+                    self._events.append(BlocksRemoved([block.block_hash]))
             block.block_hash = None
         block.ref_cnt = 1
         if block.handed_out:  # a never-used block is still zero

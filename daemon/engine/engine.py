@@ -351,6 +351,13 @@ class Engine(BaseEngine):
                     self._budget.observe(decodes, sum(scheduled.values()) - decodes, time.perf_counter() - started)
         return outputs
 
+    def record_kv_events(self) -> None:
+        if self.enable_prefix_caching:
+            self._blocks.record_events()
+
+    def take_kv_events(self) -> list:
+        return self._blocks.take_events()
+
     def warmup(self) -> None:
         """Prefill and decode a tiny request (random sampling with top-k/top-p) and discard it.
 

@@ -236,4 +236,13 @@ class BaseEngine(abc.ABC):
     def warmup(self) -> None:
         """Run a tiny request through every code path so the first real one is not slow."""
 
+    def record_kv_events(self) -> None:
+        """Start recording what enters and leaves the prefix cache (:meth:`take_kv_events`); call after
+        :meth:`warmup`. An engine without a prefix cache records nothing."""
+
+    def take_kv_events(self) -> list:
+        """The prefix-cache changes since the last call, oldest first: the block manager's ``BlocksStored`` /
+        ``BlocksRemoved`` / ``BlocksCleared`` (:mod:`ringstream.daemon.engine.block_manager`)."""
+        return []
+
 

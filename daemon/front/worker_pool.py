@@ -34,7 +34,8 @@ from ringstream.daemon.common.config import Config
 from ringstream.daemon.common.supervision import (
     EXIT_REAP_S, RESTART_WINDOW_S, StartupError, backoff, join_with_deadlines,
 )
-from ringstream.daemon.worker.spec import WorkerSpec, run_worker
+from ringstream.daemon.common.listen import offset_endpoint
+from ringstream.daemon.worker.spec import KVEventsSpec, WorkerSpec, run_worker
 from ringstream.ipc import protocol as P
 from ringstream.ipc.address import bind_private
 from ringstream.ipc.ring import Record, RingConsumer
@@ -185,12 +186,23 @@ def create_workers(
                 command_address=address, event_address=event_address,
                 ring_name=name, ring_instance_id=ring.instance_id,
                 heartbeat_s=config.worker_heartbeat_s, parent_pid=os.getpid(), log_level=config.log_level,
+                kv_events=kv_events_spec(config, index),
             )
             workers.append(WorkerProcess(index, device, spec, ring, commands))
     except Exception as exc:
         release_workers(workers)
         raise StartupError(f"cannot create worker resources: {exc}") from exc
     return workers
+
+
+def kv_events_spec(config: Config, index: int) -> KVEventsSpec | None:
+    """Worker ``index``'s KV events endpoints (the configured ones offset by ``index``), None when off."""
+    if config.kv_events_endpoint is None:
+        return None
+    replay = config.kv_events_replay_endpoint
+    return KVEventsSpec(endpoint=offset_endpoint(config.kv_events_endpoint, index),
+                        replay_endpoint=None if replay is None else offset_endpoint(replay, index),
+                        topic=config.kv_events_topic, rank=index, block_size=config.block_size)
 
 
 HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"

@@ -144,11 +144,15 @@ class Worker:
         self.steps = 0
         self.next_heartbeat = 0.0
         self.fault: FaultInjector | None = None
+        self.kv_events = None
+        """The KV events publisher (:mod:`ringstream.daemon.worker.kv_events`) when the spec asks for one."""
 
     def _on_sigterm(self, signum, frame) -> None:
         self.stopping = True
 
     def close(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.ring is not None:
             self.ring.close()
         self.commands.close(linger=0)
@@ -173,6 +177,8 @@ class Worker:
             if os.getppid() != spec.parent_pid:
                 raise FrontGone  # the front that started this worker is gone: report nothing to a successor
             self.ring = RingProducer.attach(spec.ring_name, instance_id=spec.ring_instance_id)
+            if spec.kv_events is not None:
+                self._start_kv_events(spec.kv_events)
         except FrontGone:
             raise
         except Exception as exc:
@@ -180,6 +186,24 @@ class Worker:
             self._send(P.WorkerStartFailed(worker=spec.index, message=f"{type(exc).__name__}: {exc}"))
             raise FrontGone from exc
         self._report_ready()
+
+    def _start_kv_events(self, kv_spec) -> None:
+        """Bind the KV events sockets and start recording the prefix cache's changes (after the warmup, whose
+        blocks are gone). RuntimeError naming the endpoint when it cannot be bound."""
+        from ringstream.daemon.worker.kv_events import KVEventPublisher
+
+        if not self.engine.enable_prefix_caching:
+            log.warning("KV events: prefix caching is off, so the cache keeps no blocks to publish; publishing "
+                        "only the initial clear on %s", kv_spec.endpoint)
+        try:
+            self.kv_events = KVEventPublisher(kv_spec, self.ctx)
+        except zmq.ZMQError as exc:
+            raise RuntimeError(f"cannot bind the KV events endpoint {kv_spec.endpoint}"
+                               f"{'' if kv_spec.replay_endpoint is None else ' or ' + kv_spec.replay_endpoint}: "
+                               f"{exc}") from None
+        self.engine.record_kv_events()
+        log.info("KV events on %s%s (rank %d)", kv_spec.endpoint,
+                 "" if kv_spec.replay_endpoint is None else f", replay on {kv_spec.replay_endpoint}", kv_spec.rank)
 
     def _build_engine(self):
         """The engine the spec asks for: the synthetic one (no torch), else the paged engine over the model."""
@@ -252,6 +276,10 @@ class Worker:
             for out in outputs:
                 self._write_output(out)
             self._publish()
+            if self.kv_events is not None:
+                events = engine.take_kv_events()
+                if events:
+                    self.kv_events.publish(events)
 
     def _check_alive(self) -> None:
         if self.stopping or os.getppid() != self.spec.parent_pid:

@@ -7,7 +7,19 @@ from dataclasses import dataclass
 
 from ringstream.daemon.common.engine_config import EngineConfig
 
-__all__ = ["WorkerSpec", "run_worker"]
+__all__ = ["KVEventsSpec", "WorkerSpec", "run_worker"]
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventsSpec:
+    """One worker's KV-cache events settings (:mod:`ringstream.daemon.worker.kv_events`), resolved by the front:
+    this worker's own endpoints (the configured ports + its index) and its rank (its index)."""
+
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str
+    rank: int
+    block_size: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +37,8 @@ class WorkerSpec:
     heartbeat_s: float
     parent_pid: int
     log_level: str
+    kv_events: KVEventsSpec | None = None
+    """Publish the prefix cache's events; None = off."""
 
 
 def run_worker(spec: WorkerSpec) -> None:
