@@ -13,10 +13,12 @@ import json
 
 from ringstream.ipc.wire import StructuredOutputs
 
-__all__ = ["GRAMMAR_CACHE_SIZE", "check_constraint", "grammar_text"]
+__all__ = ["ERROR_CHARS", "GRAMMAR_CACHE_SIZE", "check_constraint", "grammar_text"]
 
 GRAMMAR_CACHE_SIZE = 256
-"""Grammar texts kept, by constraint."""
+"""Grammar texts (and check results) kept, by constraint."""
+ERROR_CHARS = 500
+"""Characters of llguidance's error kept in a refusal (its messages can quote the whole grammar)."""
 
 
 def grammar_text(constraint: StructuredOutputs) -> str:
@@ -59,9 +61,22 @@ def _grammar_text(kind: str, value, whitespace_flexible: bool) -> str:
 
 
 def check_constraint(constraint: StructuredOutputs) -> None:
-    """ValueError (llguidance's message) where ``constraint`` does not compile; needs no vocabulary."""
+    """ValueError (llguidance's message, at most ``ERROR_CHARS`` of it) where ``constraint`` does not compile;
+    needs no vocabulary. Results are cached by constraint: clients send the same tools with every request."""
+    kind = constraint.kind
+    value = getattr(constraint, kind)
+    error = _check(kind, tuple(value) if kind == "choice" else value, constraint.whitespace_flexible)
+    if error:
+        raise ValueError(error)
+
+
+@functools.lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
+def _check(kind: str, value, whitespace_flexible: bool) -> str | None:
     import llguidance
 
-    error = llguidance.LLMatcher.validate_grammar(grammar_text(constraint))
-    if error and not error.startswith("WARNING"):
-        raise ValueError(error)
+    try:
+        text = _grammar_text(kind, value, whitespace_flexible)
+    except ValueError as exc:
+        return str(exc)
+    error = llguidance.LLMatcher.validate_grammar(text)
+    return error[:ERROR_CHARS] if error and not error.startswith("WARNING") else None

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from ringstream.daemon.common.finish import finish_after_token
+from ringstream.daemon.common.grammar import ERROR_CHARS
 from ringstream.daemon.common.prefix_hash import block_hashes
 from ringstream.daemon.engine.block_manager import BlockManager
 from ringstream.daemon.engine.interface import EngineRequest, TokenOutput
@@ -288,12 +289,12 @@ class StepScheduler:
             # the output does not meet it, so the stream does not end as if it did
             finish_reason, stop_reason = "error", None
             log.warning("request %s: EOS before its structured output was complete%s", seq.handle,
-                        f": {matcher.get_error()}" if matcher.is_error() else "")
+                        f": {matcher.get_error()[:ERROR_CHARS]}" if matcher.is_error() else "")
         elif matcher is not None and finish_reason in (None, "length"):
             if not matcher.consume_token(token_id) or matcher.is_error():
                 finish_reason, stop_reason = "error", None  # a dead end of the constraint: this stream alone
                 log.warning("request %s: its structured output reached a dead end: %s", seq.handle,
-                            matcher.get_error())
+                            matcher.get_error()[:ERROR_CHARS])
             elif matcher.is_stopped():
                 finish_reason, stop_reason = "stop", None  # the constraint is complete
         if seq.processed:

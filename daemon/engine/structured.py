@@ -32,7 +32,7 @@ from concurrent.futures import Future
 
 import torch
 
-from ringstream.daemon.common.grammar import grammar_text
+from ringstream.daemon.common.grammar import ERROR_CHARS, grammar_text
 from ringstream.ipc.wire import StructuredOutputs
 
 __all__ = ["GrammarCompiler", "apply_bitmask", "token_bitmask"]
@@ -107,8 +107,15 @@ class GrammarCompiler:
             raise ValueError("structured_outputs: this model has no EOS token to end a constrained output")
         text = grammar_text(constraint)
         matcher = llguidance.LLMatcher(self.ll_tokenizer(), text, log_level=0)
+        if not matcher.is_error():
+            # The first mask meets the parser's limits (llguidance's ParserTooComplex: a row of more than 2,000
+            # items, e.g. an object of hundreds of optional properties): refused here, before the request is
+            # scheduled, rather than ending its stream after one token.
+            words = (self.vocab_size + 31) // 32
+            scratch = torch.empty(words, dtype=torch.int32)
+            matcher.unsafe_compute_mask_ptr(scratch.data_ptr(), words * 4)
         if matcher.is_error():
-            raise ValueError(f"structured_outputs.{constraint.kind}: {matcher.get_error()}")
+            raise ValueError(f"structured_outputs.{constraint.kind}: {matcher.get_error()[:ERROR_CHARS]}")
         if output_token_ids and not matcher.consume_tokens(list(output_token_ids)):
             raise ValueError(f"output_token_ids do not meet structured_outputs.{constraint.kind}: "
                              f"{matcher.get_error()}")

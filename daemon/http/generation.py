@@ -276,7 +276,7 @@ async def stream_sse(request: web.Request, client: AsyncClient, jobs: list[Job],
                 if make_usage is not None:
                     await send(b"data: " + encode(make_usage(choices.usage())) + b"\n\n")
         await send(DONE_EVENT)
-    except ClientStuck:
+    except (ClientStuck, ConnectionError):  # the client is gone: its jobs were cancelled as the stream closed
         return response
     try:
         async with asyncio.timeout(write_timeout_s):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 from msgspec import Meta, Struct
@@ -237,7 +237,7 @@ class ChatMessage(Struct, forbid_unknown_fields=False):
     ``tool_call_id`` it answers. Other fields (``refusal``, ``annotations``... of an answer sent back) are
     ignored: they do not reach the prompt."""
 
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Union[str, list[ContentPart], None] = None
     name: str | None = None
     tool_calls: list[dict] | None = None
@@ -335,8 +335,8 @@ def decode_request(body: bytes, kind: type[_Sampling], unknown_fields: str = "er
 
     A top-level field the API does not know (a typo such as ``max_token``, or another server's extension)
     is a 400 naming it, as OpenAI's API answers, when ``unknown_fields`` is ``error``; with ``warn`` it is
-    logged and the request served without it (vLLM's behaviour). Fields inside messages, tools and other
-    objects are not checked: clients send back answers' extra fields (``refusal``, ``annotations``).
+    logged and the request served without it (vLLM's behaviour). Fields inside messages are not checked:
+    clients send back answers' extra fields (``refusal``, ``annotations``); tool definitions are.
     """
     try:
         request = msgspec.json.decode(body, type=kind)
@@ -401,7 +401,8 @@ def _refuse_unsupported(req: _Sampling) -> None:
                 value == ok and (type(value) is type(ok) or isinstance(ok, float) and not isinstance(value, bool))
                 for ok in allowed):
             raise bad_request(f"{name} = {json_text(value)} is not supported"
-                              + (f" (only {', '.join(json_text(ok) for ok in allowed)} or null)" if allowed
+                              + (f" (only {', '.join(dict.fromkeys(json_text(ok) for ok in allowed))} or null)"
+                                 if allowed
                                  else " (only null)"), name)
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")

@@ -433,7 +433,8 @@ class HttpApi:
         ``max_tokens`` given (the rest of the context needs the prompt's token count here)."""
         return (served.daemon_renders_chat and served.chat_template is not None and self.chat_template_path is None
                 and not req.chat_template_kwargs and req.add_generation_prompt and max_tokens is not None
-                and not any(m.tool_calls or m.function_call or m.tool_call_id for m in req.messages))
+                and not any(m.tool_calls is not None or m.function_call is not None or m.tool_call_id is not None
+                            for m in req.messages))
 
     async def _render(self, served: ServedModel, req: S.ChatCompletionRequest, max_tokens: int | None,
                       plan: T.ToolPlan | None = None) -> tuple[list[int], int | None]:

@@ -266,8 +266,25 @@ def test_eos_before_the_constraint_is_complete_ends_with_error_not_stop(default)
     ]
     outputs = run(engine, requests)
     assert outputs[0][-1].finish_reason == "error"
-    assert outputs[1][-1].finish_reason == "error"
+    # no output meets it: its first mask is EOS alone, an error the compile thread sees before scheduling
+    assert len(outputs[1]) == 1 and isinstance(outputs[1][0], RequestError) and outputs[1][0].invalid
     assert outputs[2][-1].finish_reason == "stop"  # the others' streams are unharmed
+
+
+def test_a_schema_too_complex_for_the_parser_ends_its_stream_alone_with_a_short_reason(default, caplog):
+    # hundreds of optional properties: llguidance compiles it, then the mask after "{" exceeds its parser's
+    # row limit (ParserTooComplex); that stream ends with error, its logged reason cut short, the other goes on
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(2000)}}
+    engine = engine_of(default)
+    outputs = run(engine, [
+        EngineRequest(0, [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0,
+                                                   structured_outputs=StructuredOutputs(json=json.dumps(schema)))),
+        EngineRequest(1, [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))])
+    assert outputs[0][-1].finish_reason == "error"
+    assert len(outputs[1]) == 4 and outputs[1][-1].finish_reason == "length"
+    (record,) = [r for r in caplog.records if "dead end" in r.getMessage()]
+    assert "ParserTooComplex" in record.getMessage() or "max is 2000" in record.getMessage()
+    assert len(record.getMessage()) < 700
 
 
 @pytest.mark.parametrize("schema,words", [("[" * 5000 + "]" * 5000, "nested too deeply"),

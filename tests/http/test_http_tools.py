@@ -131,10 +131,14 @@ def test_legacy_functions_answer_with_function_call(api):
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": TOOLS, "functions": [CLOCK["function"]]}, "functions"),
     ({"max_token": 5}, "max_token"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        f"p{i}": {"type": "string", "description": "d" * 60} for i in range(1000)}}}}]}, "tools"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
 ])
 def test_bad_tool_requests_are_400s_naming_the_field_and_the_server_serves_on(api, body, param):
     with pytest.raises(openai.BadRequestError) as err:
-        api.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, extra_body=body)
+        api.chat.completions.create(model=MODEL, messages=body.pop("messages", ASK), max_tokens=5,
+                                    extra_body=body)
     assert err.value.body["param"] == param, err.value.body
     ok = api.chat.completions.create(model=MODEL, messages=ASK, max_tokens=3)
     assert ok.choices[0].finish_reason == "length"
@@ -159,3 +163,18 @@ def test_auto_reads_hermes_calls_the_model_writes_whole_and_streamed(api):
     assert streamed.function.name == "get_time" and json.loads(streamed.function.arguments) == json.loads(
         call.function.arguments)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "assistant", "content": "hi", "tool_calls": []},
+    {"role": "tool", "content": "42", "tool_call_id": ""},
+])
+def test_empty_tool_fields_in_messages_are_served(api, message):
+    # rendered here, not by the daemon (whose messages carry no tool fields), whatever their emptiness
+    for stream in (False, True):
+        out = api.chat.completions.create(model=MODEL, messages=[*ASK, message, {"role": "user", "content": "ok"}],
+                                          max_tokens=3, stream=stream)
+        if stream:
+            assert [c for c in out if c.choices and c.choices[0].finish_reason][0].choices[0].finish_reason
+        else:
+            assert out.choices[0].finish_reason == "length"

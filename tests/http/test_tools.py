@@ -119,3 +119,55 @@ def test_message_tool_calls_hand_templates_arguments_as_objects():
     calls = T.message_tool_calls([{"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}},
                                   {"type": "function", "function": {"name": "g", "arguments": "not json"}}])
     assert calls[0]["function"]["arguments"] == {"a": 1} and calls[1]["function"]["arguments"] == "not json"
+
+
+def _matches(constraint, text: str) -> bool:
+    """Whether ``text`` meets ``constraint`` whole (llguidance over the built-in model's tokenizer)."""
+    import llguidance
+    import llguidance.hf
+    from transformers import PreTrainedTokenizerFast
+
+    from ringstream.daemon.common.model_dir import DEFAULT_MODEL_DIR
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(DEFAULT_MODEL_DIR / "tokenizer.json"))
+    matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer), grammar_text(constraint), log_level=0)
+    return bool(matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False))) and matcher.is_accepting()
+
+
+def tool(name: str, parameters) -> T.ToolDef:
+    return T.ToolDef(type="function", function=T.FunctionDef(name=name, parameters=parameters))
+
+
+def test_required_keeps_each_schemas_local_refs_and_holds_untyped_parameters_to_objects():
+    recursive = {"type": "object", "properties": {"child": {"anyOf": [{"$ref": "#"}, {"type": "integer"}]}},
+                 "required": ["child"], "additionalProperties": False}
+    with_defs = {"$defs": {"Unit": {"type": "string", "enum": ["c", "f"]}}, "type": "object",
+                 "properties": {"u": {"$ref": "#/$defs/Unit"}, "d": {"const": {"$ref": "#"}}}, "required": ["u"]}
+    p = T.plan_tools([tool("f", recursive), tool("g", with_defs), tool("h", {})], "required", None, None, None,
+                     "hermes", False)
+    ok = ['[{"name":"f","parameters":{"child":{"child":1}}}]', '[{"name":"g","parameters":{"u":"c"}}]',
+          '[{"name":"h","parameters":{}}]', '[{"name":"g","parameters":{"u":"f","d":{"$ref":"#"}}}]']
+    bad = ['[{"name":"f","parameters":{"child":[{"name":"f","parameters":{"child":1}}]}}]',
+           '[{"name":"g","parameters":{"u":"x"}}]', '[{"name":"h","parameters":"text"}]',
+           '[{"name":"h","parameters":5}]']
+    assert [_matches(p.constraint, t) for t in ok + bad] == [True] * len(ok) + [False] * len(bad)
+    named = T.plan_tools([tool("h", {})], T.NamedToolChoice(type="function", function=T._FunctionName("h")),
+                         None, None, None, "hermes", False)
+    assert _matches(named.constraint, '{"a":1}') and not _matches(named.constraint, '"text"')
+
+
+def test_tool_schemas_are_bounded_before_they_are_compiled():
+    big = {"type": "object", "properties": {f"p{i}": {"type": "integer", "description": "x" * 40}
+                                            for i in range(1100)}}
+    assert len(json.dumps(big)) > T.MAX_GRAMMAR_CHARS
+    with pytest.raises(T.ToolRequestError, match="at most 65536") as err:
+        T.plan_tools([tool("f", big)], "none", None, None, None, "hermes", False)
+    assert err.value.param == "tools"
+    half = {"type": "object", "properties": {f"p{i}": {"type": "integer", "description": "x" * 40}
+                                             for i in range(600)}}
+    three = [tool(name, half) for name in ("a", "b", "c")]
+    with pytest.raises(T.ToolRequestError, match="together"):
+        T.plan_tools(three, "none", None, None, None, "hermes", False)
+    with pytest.raises(T.ToolRequestError, match="tool_choice required"):
+        T.plan_tools(three[:2], "required", None, None, None, "hermes", False)
+    assert T.plan_tools(three[:2], "auto", None, None, None, "hermes", False).choice == "auto"
