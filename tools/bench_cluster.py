@@ -4,9 +4,11 @@ Starts N ``ringstream serve --http`` daemons on one model (each with ``--kv-even
 in front of them once per routing policy, and sends the same multi-tenant workload through it: ``tenants``
 system prompts of ``system_tokens`` tokens each, every request one tenant's system prompt and a question of
 its own, ``concurrency`` in flight. For each policy it reports the prefix-cache hit fraction summed over the
-daemons (prompt tokens found cached / prompt tokens looked up, from each daemon's ``/metrics``), beside the
-single-daemon ideal: the fraction one daemon with a cache large enough would hit, computed from the prompts'
-token ids (each prompt's longest block-aligned prefix shared with an earlier prompt). With ``--kill`` the
+daemons (prompt tokens found cached / prompt tokens looked up, from each daemon's ``/metrics``), beside what one
+daemon gets from the same workload at the same concurrency (``single``: requests of one tenant in flight at once
+miss each other there too) and the ideal: the fraction a cache that never evicts would hit with one request at a
+time, computed from the prompts' token ids (each prompt's longest block-aligned prefix shared with an earlier
+prompt). With ``--kill`` the
 last daemon is SIGKILLed mid-run under ``kv_aware``, and the report counts the requests that failed and those
 that went on. The daemons' caches are reset between policies by restarting them.
 
@@ -20,6 +22,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import json
+import os
 import random
 import shutil
 import signal
@@ -35,8 +38,11 @@ from pathlib import Path
 
 __all__ = ["ClusterError", "Cluster", "Workload", "add_parser", "command", "ideal_hit_fraction", "run_policy"]
 
-POLICIES = ("kv_aware", "round_robin", "cache_aware")
-"""vllm-router's policies compared by default: routed by KV events, blind, and by the router's own guess."""
+SINGLE = "single"
+"""The reference run: the workload sent straight to one daemon (no router), at the same concurrency."""
+POLICIES = (SINGLE, "kv_aware", "round_robin", "cache_aware")
+"""Compared by default: one daemon, then vllm-router's policies over all: routed by KV events, blind, and by the
+router's own guess from the requests it routed."""
 ROUTER_START_S = 30.0
 DAEMON_START_S = 180.0
 REQUEST_TIMEOUT_S = 120.0
@@ -214,7 +220,7 @@ class Cluster:
         self.stop_router()
         port = _free_port()
         args = [*command, "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-                "--worker-urls", *self.urls, "--log-level", "warning", *extra]
+                "--worker-urls", *self.urls, "--log-level", os.environ.get("RS_ROUTER_LOG", "warning"), *extra]
         if policy == "kv_aware":
             for url, events in zip(self.urls, self.events):
                 args += ["--kv-event-source", f"{url}={events}"]
@@ -286,16 +292,22 @@ def _send(url: str, prompt: str, max_tokens: int) -> tuple[bool, str]:
         return False, f"{type(exc).__name__}: {exc}"
 
 
-def run_policy(cluster: Cluster, policy: str, workload: Workload, kill_after: int | None = None) -> dict:
-    """Send ``workload`` through the router under ``policy`` (daemons with empty caches); the figures as a dict.
+def run_policy(cluster: Cluster, policy: str, workload: Workload, kill_after: int | None = None,
+               fresh: bool = True) -> dict:
+    """Send ``workload`` through the router under ``policy`` (daemons with empty caches unless not ``fresh``);
+    the figures as a dict.
 
     ``kill_after``: SIGKILL the last daemon once that many requests have completed; the figures then count
     the requests that failed and those that completed after the kill.
     """
-    if cluster.used:
+    if cluster.used and fresh:
         cluster.start_daemons()
     cluster.used = True
-    cluster.start_router(policy)
+    if policy == SINGLE:
+        target = cluster.urls[0]
+    else:
+        cluster.start_router(policy)
+        target = cluster.router_url
     prompts = workload.prompts()
     before = cluster.counters()
     done = 0
@@ -308,7 +320,7 @@ def run_policy(cluster: Cluster, policy: str, workload: Workload, kill_after: in
     def one(prompt: str) -> None:
         nonlocal done, after_kill_ok
         was_killed = killed.is_set()
-        ok, error = _send(cluster.router_url, prompt, workload.max_tokens)
+        ok, error = _send(target, prompt, workload.max_tokens)
         with lock:
             done += 1
             if not ok:
@@ -349,6 +361,9 @@ def add_parser(sub) -> None:
                    help="about this many tokens of system prompt per tenant")
     p.add_argument("--concurrency", type=int, default=Workload.concurrency)
     p.add_argument("--threads", type=int, default=1, help="torch threads per daemon")
+    p.add_argument("--kv-cache-bytes", type=int,
+                   help="each daemon's KV pool (default: the daemon's); smaller than all tenants' prefixes shows "
+                        "what routing by KV events adds: each daemon holds some tenants")
     p.add_argument("--kill", action="store_true", help="also SIGKILL a daemon mid-run under kv_aware")
     p.add_argument("--json", help="write the figures to this file")
 
@@ -360,7 +375,8 @@ def command(args: argparse.Namespace) -> int:
     workload = Workload(tenants=args.tenants, requests=args.requests, system_tokens=args.system_tokens,
                         concurrency=args.concurrency)
     rows = []
-    with Cluster(args.daemons, args.model, threads=args.threads) as cluster:
+    serve_args = ("--kv-cache-bytes", str(args.kv_cache_bytes)) if args.kv_cache_bytes else ()
+    with Cluster(args.daemons, args.model, serve_args, threads=args.threads) as cluster:
         ideal = ideal_hit_fraction(token_ids(cluster.urls[0], workload.prompts()), _block_size(cluster))
         for policy in args.policies.split(","):
             _log(f"{policy}: {workload.requests} requests, {workload.concurrency} in flight")
@@ -372,7 +388,7 @@ def command(args: argparse.Namespace) -> int:
     print(f"{args.daemons} daemons, {workload.tenants} tenants x ~{workload.system_tokens}-token system prompts, "
           f"{workload.requests} requests, {workload.concurrency} in flight")
     print(f"{'policy':<16} {'hit fraction':>12} {'of ideal':>9} {'failed':>7} {'seconds':>8}")
-    print(f"{'single daemon':<16} {ideal:>12.3f} {1.0:>9.2f} {'':>7} {'':>8}")
+    print(f"{'ideal':<16} {ideal:>12.3f} {1.0:>9.2f} {'':>7} {'':>8}")
     for row in rows:
         frac = row["hit_fraction"]
         print(f"{row['policy']:<16} {'' if frac is None else f'{frac:.3f}':>12} "

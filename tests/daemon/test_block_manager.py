@@ -5,7 +5,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from ringstream.daemon.engine.block_manager import NULL_BLOCK, BlockManager, NoFreeBlocks
+from ringstream.daemon.engine.block_manager import (
+    NULL_BLOCK, BlockManager, BlocksCleared, BlocksRemoved, BlocksStored, NoFreeBlocks,
+)
 from ringstream.daemon.common.prefix_hash import block_hashes, hash_block_tokens
 
 BS = 4  # block size of the hand-made cases
@@ -565,6 +567,30 @@ def test_evicted_block_loses_its_key_and_is_reused_under_a_new_one():
 # -- one prefix computed twice at once --------------------------------------------------------
 
 
+def test_events_are_recorded_only_when_asked_and_taken_once():
+    bm = make()
+    run(bm, 1, toks(0, 8))
+    assert bm.take_events() == []  # not recording
+    bm.record_events()
+    run(bm, 2, toks(100, 9))
+    (stored,) = bm.take_events()
+    assert stored == BlocksStored(block_hashes(toks(100, 9), BS), None, toks(100, 8))
+    assert bm.take_events() == []
+    bm.cache_blocks(2, toks(100, 9) + [7, 7, 7], 12)  # decode fills the third block: it continues the chain
+    (more,) = bm.take_events()
+    assert more.parent_block_hash == stored.block_hashes[-1] and more.token_ids == [108, 7, 7, 7]
+    bm.free(1)
+    bm.free(2)
+    run(bm, 3, toks(200, 32))  # needs every block: the cached ones are evicted
+    events = bm.take_events()
+    assert isinstance(events[0], BlocksRemoved) and len(events[0].block_hashes) == 5
+    bm.reset_prefix_cache()
+    assert isinstance(bm.take_events()[-1], BlocksCleared)
+    bm.record_events(False)
+    bm.reset_prefix_cache()
+    assert bm.take_events() == []
+
+
 def test_duplicate_prefix_computed_by_two_sequences_stays_private():
     bm = make()
     tokens = toks(0, 2 * BS + 1)
@@ -684,6 +710,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 caching=st.sampled_from([True, True, False]))
     def setup(self, num_blocks, block_size, caching):
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
+        self.bm.record_events()
+        self.subscriber: set[bytes] = set()  # the keys a consumer of the events believes cached
         self.bs = block_size
         self.next_id = 0
         self.tokens: dict[int, list[int]] = {}  # live sequences
@@ -809,6 +837,26 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def reset(self, dice):
         if dice == 0:  # rarely, or little would ever be cached
             self.bm.reset_prefix_cache()
+
+    @invariant()
+    def events_replayed_give_the_cached_keys(self):
+        for event in self.bm.take_events():
+            if isinstance(event, BlocksStored):
+                assert event.block_hashes and len(event.token_ids) == len(event.block_hashes) * self.bs
+                assert not set(event.block_hashes) & self.subscriber, "a key stored twice without a removal"
+                chain = [event.parent_block_hash, *event.block_hashes]
+                for i, key in enumerate(event.block_hashes):
+                    prefix = self.prefix_of[key]
+                    assert tuple(event.token_ids[i * self.bs:(i + 1) * self.bs]) == prefix[-self.bs:]
+                    assert chain[i] == (block_hashes(list(prefix), self.bs)[-2] if len(prefix) > self.bs else None)
+                self.subscriber |= set(event.block_hashes)
+            elif isinstance(event, BlocksRemoved):
+                assert set(event.block_hashes) <= self.subscriber, "removed a key never stored"
+                self.subscriber -= set(event.block_hashes)
+            else:
+                assert isinstance(event, BlocksCleared)
+                self.subscriber.clear()
+        assert self.subscriber == set(self.bm._cached)
 
     @invariant()
     def blocks_are_accounted_for(self):

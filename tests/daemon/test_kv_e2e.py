@@ -32,9 +32,68 @@ def _wait_report(client: Client, check, timeout_s: float = 10.0):
 
 
 @pytest.fixture(scope="module")
-def daemon(start_module_daemon):
+def kv_events(tmp_path_factory):
+    """The KV events endpoint of the module's daemon."""
+    return f"ipc://{tmp_path_factory.mktemp('kv')}/events"
+
+
+@pytest.fixture(scope="module")
+def daemon(start_module_daemon, kv_events):
     return start_module_daemon("--devices", "cpu", "--block-size", str(BLOCK_SIZE), "--max-model-len",
-                               str(MAX_MODEL_LEN), "--kv-cache-bytes", str(4 * 2**20), "--max-num-batched-tokens", "64")
+                               str(MAX_MODEL_LEN), "--kv-cache-bytes", str(4 * 2**20), "--max-num-batched-tokens", "64",
+                               "--kv-events", kv_events)
+
+
+def test_kv_events_name_the_prompts_blocks_by_their_tokens_and_keys(daemon, kv_events):
+    import msgspec
+    import zmq
+
+    from ringstream.daemon.common.prefix_hash import block_hashes
+    from ringstream.daemon.worker.kv_events import KVEventBatch, external_block_hash
+
+    prompt = list(range(3000, 3000 + 5 * BLOCK_SIZE + 3))  # five full blocks and a partial one
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(kv_events)
+    try:
+        time.sleep(0.3)  # the subscription reaches the daemon's PUB socket
+        with Client(daemon.address) as client:
+            client.complete(prompt_token_ids=prompt, max_tokens=1, temperature=0.0)
+        stored, raw = [], None
+        while sub.poll(5000):
+            _, _, payload = sub.recv_multipart()
+            batch = msgspec.msgpack.decode(payload, type=KVEventBatch)
+            assert batch.data_parallel_rank == 0
+            stored += [e for e in batch.events if type(e).__name__ == "BlockStored"]
+            raw = payload
+            if sum(len(e.block_hashes) for e in stored) >= 5:
+                break
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+    keys = [external_block_hash(k) for k in block_hashes(prompt, BLOCK_SIZE)]
+    assert [h for e in stored for h in e.block_hashes] == keys
+    assert [t for e in stored for t in e.token_ids] == prompt[:5 * BLOCK_SIZE]
+    assert stored[0].parent_block_hash is None and {e.block_size for e in stored} == {BLOCK_SIZE}
+    _decode_with_vllms_structs(raw)
+
+
+def _decode_with_vllms_structs(payload: bytes) -> None:
+    """Decode ``payload`` with vLLM's own ``KVEventBatch`` where its CPU build's venv is at hand."""
+    import subprocess
+
+    from ringstream.tools.bench_vllm import default_vllm_python
+
+    python = default_vllm_python()
+    if python is None:
+        return
+    code = ("import sys, msgspec; from vllm.distributed.kv_events import KVEventBatch; "
+            "b = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=KVEventBatch); "
+            "print(type(b.events[0]).__name__, b.events[0].block_size)")
+    out = subprocess.run([python, "-c", code], input=payload, capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    assert out.stdout.decode().split()[-2:] == ["BlockStored", str(BLOCK_SIZE)]
 
 
 def test_settings_reach_the_worker_and_status_shows_the_pool(daemon):

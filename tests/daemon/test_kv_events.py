@@ -1,0 +1,193 @@
+"""KV events publisher: vLLM's wire format over real ZeroMQ sockets, replay, bounded queue, never blocking."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from ringstream.daemon.common.config import Config
+from ringstream.daemon.common.listen import offset_endpoint
+from ringstream.daemon.engine.block_manager import BlocksCleared, BlocksRemoved, BlocksStored
+from ringstream.daemon.front.worker_pool import kv_events_spec
+from ringstream.daemon.worker import kv_events as K
+from ringstream.daemon.worker.spec import KVEventsSpec
+
+DECODER = msgspec.msgpack.Decoder(K.KVEventBatch)
+KEY_A, KEY_B = bytes(range(32)), bytes(range(32, 64))
+
+
+@pytest.fixture
+def ctx():
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)  # closes what a failed test left open
+
+
+@pytest.fixture
+def endpoints(tmp_path):
+    return f"ipc://{tmp_path}/kv", f"ipc://{tmp_path}/kv-replay"
+
+
+def subscriber(ctx, endpoint, topic=b""):
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, topic)
+    sub.connect(endpoint)
+    return sub
+
+
+def receive(sub, timeout_s=5.0):
+    assert sub.poll(int(timeout_s * 1000)), "no KV events message"
+    topic, seq, payload = sub.recv_multipart()
+    return topic, int.from_bytes(seq, "big"), DECODER.decode(payload)
+
+
+def replayed(ctx, endpoint, start, count):
+    """``count`` ``(seq, batch)`` of a replay from ``start`` (a DEALER: the answer is many messages)."""
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    out = []
+    deadline = time.monotonic() + 5
+    try:
+        while len(out) < count and time.monotonic() < deadline:  # batches still queued are not yet buffered
+            out = []
+            dealer.send_multipart((b"", start.to_bytes(8, "big")))
+            while True:
+                assert dealer.poll(5000), "no replay answer"
+                empty, seq, payload = dealer.recv_multipart()
+                assert empty == b""
+                if seq == K.END_SEQ:
+                    assert payload == b""
+                    break
+                out.append((int.from_bytes(seq, "big"), DECODER.decode(payload)))
+    finally:
+        dealer.close()
+    return out
+
+
+def publisher(ctx, endpoints, replay=True, topic=""):
+    spec = KVEventsSpec(endpoint=endpoints[0], replay_endpoint=endpoints[1] if replay else None, topic=topic,
+                        rank=3, block_size=4)
+    return K.KVEventPublisher(spec, ctx)
+
+
+def test_batches_are_vllms_wire_format_in_sequence(ctx, endpoints):
+    pub = publisher(ctx, endpoints, topic="kv")
+    sub = subscriber(ctx, endpoints[0], b"kv")
+    try:
+        (seq, first), = replayed(ctx, endpoints[1], 0, 1)  # every publisher starts with a clear
+        assert seq == 0 and first.events == [K.AllBlocksCleared()] and first.data_parallel_rank == 3
+        time.sleep(0.3)  # the subscription reaches the PUB socket (ZeroMQ's slow joiner)
+        pub.publish([BlocksStored([KEY_A, KEY_B], None, [1, 2, 3, 4, 5, 6, 7, 8]), BlocksRemoved([KEY_A])])
+        topic, seq, batch = receive(sub)
+        if seq == 0:  # the initial clear, when the subscription was quicker than the thread
+            topic, seq, batch = receive(sub)
+        assert (topic, seq) == (b"kv", 1)
+        stored, removed = batch.events
+        assert stored == K.BlockStored(block_hashes=[K.external_block_hash(KEY_A), K.external_block_hash(KEY_B)],
+                                       parent_block_hash=None, token_ids=[1, 2, 3, 4, 5, 6, 7, 8], block_size=4)
+        assert stored.medium == "GPU" and removed.block_hashes == [K.external_block_hash(KEY_A)]
+        assert abs(batch.ts - time.time()) < 60
+    finally:
+        pub.close()
+        sub.close()
+
+
+def test_the_raw_encoding_is_an_array_batch_of_tagged_maps_with_every_field():
+    # what vLLM's msgspec structs (array_like batch, tag=True events whose lora_id / medium / lora_name have
+    # no defaults) and vllm-router's decoder read
+    batch = K.KVEventBatch(ts=1.5, events=[K.BlockStored(block_hashes=[7], parent_block_hash=3, token_ids=[1],
+                                                         block_size=1), K.BlockRemoved(block_hashes=[7]),
+                                           K.AllBlocksCleared()], data_parallel_rank=0)
+    raw = msgspec.msgpack.decode(msgspec.msgpack.encode(batch))
+    assert raw == [1.5, [{"type": "BlockStored", "block_hashes": [7], "parent_block_hash": 3, "token_ids": [1],
+                          "block_size": 1, "lora_id": None, "medium": "GPU", "lora_name": None},
+                         {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"},
+                         {"type": "AllBlocksCleared"}], 0]
+
+
+def test_external_hash_is_the_keys_last_eight_bytes_unsigned():
+    assert K.external_block_hash(b"\x00" * 24 + b"\xff" * 8) == 2**64 - 1
+    assert K.external_block_hash(KEY_A) == int.from_bytes(KEY_A, "big") & (2**64 - 1)
+
+
+def test_replay_resends_buffered_batches_from_the_asked_sequence(ctx, endpoints):
+    pub = publisher(ctx, endpoints)
+    try:
+        for i in range(3):
+            pub.publish([BlocksRemoved([bytes([i]) * 32])])
+        answer = replayed(ctx, endpoints[1], 2, 2)
+        assert [seq for seq, _ in answer] == [2, 3]
+        for seq, batch in answer:
+            assert batch.events[0].block_hashes == [K.external_block_hash(bytes([seq - 1]) * 32)]
+    finally:
+        pub.close()
+
+
+def test_publish_never_blocks_and_a_full_queue_drops_then_clears(ctx, endpoints, monkeypatch):
+    monkeypatch.setattr(K, "MAX_QUEUED_BATCHES", 5)
+    pub = publisher(ctx, endpoints, replay=False)
+    pub._running = False  # the thread stops sending: the queue fills
+    pub._wake.set()
+    pub._thread.join(5)
+    pub._queue.clear()  # the initial clear, if the thread stopped before sending it
+    started = time.perf_counter()
+    for _ in range(1000):  # no subscriber, no thread: each call returns at once
+        pub.publish([BlocksCleared()])
+    assert time.perf_counter() - started < 1.0
+    assert len(pub._queue) == 5 and pub.dropped == 995
+    sub = subscriber(ctx, endpoints[0])
+    time.sleep(0.2)  # the subscription reaches the PUB socket
+    queued = list(pub._queue)
+    pub._queue.clear()
+    pub._send(*queued[-1])  # the next batch sent after a loss starts with a clear
+    _, _, batch = receive(sub)
+    assert batch.events[0] == K.AllBlocksCleared()
+    sub.close()
+    pub.close()
+
+
+def test_a_tcp_endpoint_in_use_fails_the_second_publisher_with_zmq_error(ctx):
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    endpoints = (f"tcp://127.0.0.1:{port}", None)
+    pub = publisher(ctx, endpoints, replay=False)
+    try:
+        with pytest.raises(zmq.ZMQError):
+            publisher(ctx, endpoints, replay=False)
+    finally:
+        pub.close()
+
+
+@pytest.mark.parametrize("endpoint,index,expected", [
+    ("tcp://127.0.0.1:5557", 0, "tcp://127.0.0.1:5557"), ("tcp://*:5557", 2, "tcp://*:5559"),
+    ("ipc:///run/kv", 1, "ipc:///run/kv.1"), ("ipc:///run/kv", 0, "ipc:///run/kv")])
+def test_each_worker_gets_its_own_endpoint(endpoint, index, expected):
+    assert offset_endpoint(endpoint, index) == expected
+
+
+@pytest.mark.parametrize("settings,words", [
+    ({"kv_events_endpoint": "udp://x:1"}, "tcp://HOST:PORT"),
+    ({"kv_events_endpoint": "tcp://host"}, "tcp://HOST:PORT"),
+    ({"kv_events_endpoint": "tcp://host:99999"}, "out of 1..65535"),
+    ({"kv_events_replay_endpoint": "tcp://h:1"}, "kv_events_endpoint is not"),
+    ({"kv_events_endpoint": "tcp://h:1", "kv_events_replay_endpoint": "tcp://h:1"}, "must differ"),
+])
+def test_bad_settings_are_refused_naming_them(settings, words):
+    with pytest.raises(ValueError, match=words):
+        Config(**settings).check()
+
+
+def test_the_front_gives_each_worker_its_ports_and_rank():
+    config = Config(kv_events_endpoint="tcp://*:6000", kv_events_replay_endpoint="tcp://*:7000",
+                    kv_events_topic="t", block_size=32).check()
+    spec = kv_events_spec(config, 1)
+    assert spec == KVEventsSpec("tcp://*:6001", "tcp://*:7001", "t", 1, 32)
+    assert kv_events_spec(Config(), 0) is None
