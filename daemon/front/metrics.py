@@ -164,6 +164,13 @@ class Metrics:
         self.kv_cache_usage_perc = Gauge("ringstream_kv_cache_usage_perc",
                                          "KV-cache blocks held / blocks in the pools of all workers (0..1)",
                                          registry=r)
+        # The same three under vLLM's names, the defaults of the inference gateway's endpoint picker and of
+        # llm-d's scorers (docs/cluster.md), so that they read the daemon as a vLLM server with no flags.
+        self.vllm_gauges = {name: Gauge(f"vllm:{name}", f"{help_text} (vLLM's name; the same as ringstream_{name})",
+                                        registry=r)
+                            for name, help_text in (("num_requests_waiting", "Requests not yet computing"),
+                                                    ("num_requests_running", "Requests computing"),
+                                                    ("kv_cache_usage_perc", "KV-cache usage, 0..1"))}
         self._server = None
         self._exposition: tuple[float, str] | None = None
 

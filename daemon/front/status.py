@@ -111,9 +111,12 @@ def update_gauges(core: FrontCore, workers: Sequence[WorkerView]) -> None:
     for priority, count in scheduler.waiting_by_priority().items():
         m.waiting.labels(str(priority)).set(count)
     engine_waiting = sum(load.waiting for load in core.worker_loads)
-    m.num_requests_waiting.set(scheduler.num_waiting + engine_waiting)
-    m.num_requests_running.set(max(0, scheduler.num_running - engine_waiting))
-    m.kv_cache_usage_perc.set(pool_kv_usage(core.worker_loads))
+    figures = {"num_requests_waiting": scheduler.num_waiting + engine_waiting,
+               "num_requests_running": max(0, scheduler.num_running - engine_waiting),
+               "kv_cache_usage_perc": pool_kv_usage(core.worker_loads)}
+    for name, value in figures.items():
+        getattr(m, name).set(value)
+        m.vllm_gauges[name].set(value)
     for worker, budget, load in zip(workers, scheduler.workers, core.worker_loads):
         label = str(worker.index)
         m.kv_cache_usage.labels(label).set(kv_cache_usage(load))

@@ -110,6 +110,7 @@ class HttpApi:
             web.get("/v1/models", self.models),
             web.get("/v1/models/{name:.+}", self.model),
             web.get("/health", self.health),
+            web.get("/get_load", self.get_load),
             web.get("/metrics", self.metrics),
             web.post("/tokenize", self.tokenize),
             web.post("/detokenize", self.detokenize),
@@ -164,9 +165,11 @@ class HttpApi:
         except (ChatTemplateError, OSError) as exc:
             error = str(exc)
             log.warning("chat template: %s", exc)
-        self._model = ServedModel(self.model_name or Path(status.model).name, status.model,
-                                  min(lens) if lens else None, template, error, status.accepts_messages)
-        return self._model
+        served = ServedModel(self.model_name or Path(status.model).name, status.model,
+                             min(lens) if lens else None, template, error, status.accepts_messages)
+        if lens:  # kept once a worker has reported its context length (before that, asked again next time)
+            self._model = served
+        return served
 
     async def _check_model(self, requested: str | None) -> ServedModel:
         served = await self.served_model()
@@ -216,6 +219,18 @@ class HttpApi:
         body = {"status": state, "workers_alive": live}
         return web.json_response(body, status=200 if ok else 503,
                                  headers=None if ok else {"Retry-After": str(S.RETRY_AFTER_S)})
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        """SGLang's ``/get_load``, which vllm-router's load-aware policies (``power_of_two``) poll: ``{"load"}``,
+        the requests the daemon holds (waiting in its queue or computing), with ``num_reqs`` (computing) and
+        ``num_waiting_reqs`` (waiting) beside it; 503 while the daemon cannot be asked."""
+        try:
+            status = await asyncio.wait_for(self.client.status(), STATUS_TIMEOUT_S)
+        except (RingstreamError, TimeoutError) as exc:
+            raise S.unavailable(f"the inference daemon is unavailable: {exc or 'no answer'}",
+                                "daemon_unavailable") from None
+        return web.json_response({"load": status.waiting + status.running, "num_reqs": status.running,
+                                  "num_waiting_reqs": status.waiting})
 
     async def metrics(self, request: web.Request) -> web.Response:
         """The daemon's Prometheus exposition; 503 while the daemon cannot be asked, 501 from one too old."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -89,7 +90,14 @@ def test_completions_health_metrics_and_chat(daemon):
         while gauge(get(daemon.url + "/metrics")[2], "ringstream_num_requests_running") != 1:
             assert time.monotonic() < deadline, "the running gauge never showed the open stream"
             time.sleep(0.1)
+        text = get(daemon.url + "/metrics")[2]
+        for name in GATEWAY_GAUGES:  # the gateway's default names (vLLM's) carry the same figures
+            assert gauge(text, name.replace("ringstream_", "vllm:")) == gauge(text, name)
+        status, _, body = get(daemon.url + "/get_load")  # what vllm-router's power_of_two polls
+        assert status == 200 and json.loads(body) == {"load": 1, "num_reqs": 1, "num_waiting_reqs": 0}
         stream.close()
+    status, _, body = get(daemon.url + "/v1/models")
+    assert json.loads(body)["data"][0]["max_model_len"] > 0
 
 
 @pytest.mark.e2e
