@@ -171,6 +171,9 @@ class Metrics:
                             for name, help_text in (("num_requests_waiting", "Requests not yet computing"),
                                                     ("num_requests_running", "Requests computing"),
                                                     ("kv_cache_usage_perc", "KV-cache usage, 0..1"))}
+        self.vllm_gauges["gpu_cache_usage_perc"] = Gauge(  # its name before vLLM 0.10, older pickers' default
+            "vllm:gpu_cache_usage_perc", "KV-cache usage, 0..1 (vLLM's former name of vllm:kv_cache_usage_perc)",
+            registry=r)
         self._server = None
         self._exposition: tuple[float, str] | None = None
 

@@ -117,6 +117,7 @@ def update_gauges(core: FrontCore, workers: Sequence[WorkerView]) -> None:
     for name, value in figures.items():
         getattr(m, name).set(value)
         m.vllm_gauges[name].set(value)
+    m.vllm_gauges["gpu_cache_usage_perc"].set(figures["kv_cache_usage_perc"])
     for worker, budget, load in zip(workers, scheduler.workers, core.worker_loads):
         label = str(worker.index)
         m.kv_cache_usage.labels(label).set(kv_cache_usage(load))

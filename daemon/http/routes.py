@@ -40,8 +40,8 @@ STATUS_TIMEOUT_S = 2.0
 """How long ``/health`` and the model lookup wait for the daemon's status, seconds."""
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 """Prometheus' text exposition format."""
-OPEN_PATHS = ("/health", "/metrics")
-"""Paths served without the API key (health checkers and scrapers)."""
+OPEN_PATHS = ("/health", "/metrics", "/get_load")
+"""Paths served without the API key (health checkers, scrapers and a router polling load figures)."""
 LONG_PROMPT_CHARS = 8192
 """A rendered chat prompt this long or longer is tokenised on a thread, off the event loop."""
 CLOSING_STATUSES = frozenset({408, 413})
