@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-port", type=int, help="Prometheus exporter port on 127.0.0.1 (default: off)")
     serve.add_argument("--http", metavar="HOST:PORT", help="also serve the OpenAI-compatible HTTP API there "
                        "(a child process; a host that is not loopback needs --api-key-file)")
+    serve.add_argument("--port", type=int, metavar="PORT", help="shorthand for --http 127.0.0.1:PORT")
     serve.add_argument("--http-unix", metavar="PATH", help="serve the HTTP API on this unix socket (mode 0600)")
     serve.add_argument("--api-key-file", metavar="FILE", help="bearer token HTTP clients must send")
     serve.add_argument("--served-model-name", help="the model's name in the HTTP API (default: its directory's)")
@@ -74,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="and a ZeroMQ ROUTER here that resends missed event batches")
     serve.add_argument("--kv-events-topic", dest="kv_events_topic", metavar="TOPIC",
                        help="the topic frame of the KV events messages (default empty)")
+    serve.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
+                       help="weights and activations dtype (default auto: float32 on CPU, bfloat16 on CUDA)")
+    serve.add_argument("--max-num-seqs", type=int, help="most requests a worker runs at once, its batch rows "
+                       "(default 64)")
+    serve.add_argument("--memory-utilization", type=float, help="fraction of the memory left after the weights "
+                       "that a worker's KV pool may take (default 0.85)")
     serve.add_argument("--max-concurrency", type=int, help="running requests per worker")
     serve.add_argument("--max-model-len", type=int, help="most prompt + output tokens per request "
                        "(default: the model's context)")
@@ -127,8 +134,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+COMMANDS = ("serve", "generate", "status", "admin", "demo")
+NESTED = {"admin": ("set",)}
+"""Commands with subcommands of their own, whose options belong to the subcommand."""
+
+
+def reorder_options(argv: list[str]) -> list[str]:
+    """``argv`` with options given before a (sub)command moved after it, where the parser expects them:
+    ``ringstream --max-tokens 5 generate x`` is ``ringstream generate --max-tokens 5 x``, ``ringstream admin
+    --instance x set k=v`` is ``ringstream admin set --instance x k=v``. ``--help`` and ``--version`` first
+    stay where they are."""
+    argv = list(argv)
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
+        at = next((i for i, arg in enumerate(argv) if arg in COMMANDS), None)
+        if at is not None:
+            argv = [argv[at], *argv[:at], *argv[at + 1:]]
+    if argv and argv[0] in NESTED and len(argv) > 1 and argv[1].startswith("-") and argv[1] not in ("-h", "--help"):
+        at = next((i for i, arg in enumerate(argv) if i and arg in NESTED[argv[0]]), None)
+        if at is not None:
+            argv = [argv[0], argv[at], *argv[1:at], *argv[at + 1:]]
+    return argv
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(reorder_options(sys.argv[1:] if argv is None else argv))
     try:
         return _run(args)
     except BrokenPipeError:
@@ -210,6 +239,12 @@ def _serve(args: argparse.Namespace) -> int:
         http_unknown_fields=args.http_unknown_fields, kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint, kv_events_topic=args.kv_events_topic,
     )
+    overrides |= dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, memory_utilization=args.memory_utilization)
+    if args.port is not None:
+        if args.http is not None:
+            print("ringstream: give --http HOST:PORT or --port PORT, not both", file=sys.stderr)
+            return 2
+        overrides["http"] = f"127.0.0.1:{args.port}"
     overrides = {k: v for k, v in overrides.items() if v is not None}
     try:
         config = load_config(args.config, **overrides)

@@ -159,3 +159,27 @@ def test_the_cli_says_permission_denied_for_a_socket_in_a_closed_folder():
     finally:
         shutil.rmtree(top)
     assert report.startswith("1 ") and "permission denied" in report and "does not exist" not in report, report
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--max-tokens", "5", "generate", "x"], ["generate", "--max-tokens", "5", "x"]),
+    (["--socket", "ipc:///s", "status", "--json"], ["status", "--socket", "ipc:///s", "--json"]),
+    (["admin", "--instance", "x", "set", "k=v"], ["admin", "set", "--instance", "x", "k=v"]),
+    (["--version"], ["--version"]),
+    (["generate", "--max-tokens", "5", "x"], ["generate", "--max-tokens", "5", "x"]),
+])
+def test_options_before_their_command_are_moved_after_it(argv, expected):
+    assert cli.reorder_options(argv) == expected
+
+
+def test_the_serve_flags_people_reach_for_become_settings(monkeypatch):
+    seen = {}
+    monkeypatch.setattr("ringstream.daemon.front.shell.serve", lambda config, path, overrides: seen.update(
+        config=config, overrides=overrides) or 0)
+    monkeypatch.setattr("ringstream.daemon.common.proctitle.set_process_title", lambda title: None)
+    assert cli.main(["serve", "--port", "8123", "--dtype", "bfloat16", "--max-num-seqs", "8",
+                     "--memory-utilization", "0.5", "--served-model-name", "m"]) == 0
+    config = seen["config"]
+    assert (config.http, config.dtype, config.max_num_seqs, config.memory_utilization, config.served_model_name) == (
+        "127.0.0.1:8123", "bfloat16", 8, 0.5, "m")
+    assert cli.main(["serve", "--port", "1", "--http", "127.0.0.1:2"]) == 2
