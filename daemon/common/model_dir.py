@@ -172,3 +172,14 @@ def load_tokenizer(info: ModelInfo) -> Tokenizer:
         return Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises plain Exception subclasses
         raise ModelError(f"cannot load tokenizer {path}: {exc}") from exc
+
+
+def check_tokenizer_vocab(tokenizer: Tokenizer, info: ModelInfo) -> None:
+    """ModelError when the tokenizer can produce ids the model has no embedding for (``vocab_size`` of its
+    config): every prompt holding one would fail, so the model is refused at start, both sizes named. A
+    tokenizer smaller than the embedding (a padded vocabulary) is fine."""
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if size > info.vocab_size:
+        raise ModelError(f"model directory {info.path}: its tokenizer has {size} tokens (ids up to {size - 1}) "
+                         f"but the model's vocab_size is {info.vocab_size}; the tokenizer and the weights belong "
+                         "to different models")

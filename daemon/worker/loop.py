@@ -207,7 +207,7 @@ class Worker:
 
     def _build_engine(self):
         """The engine the spec asks for: the synthetic one (no torch), else the paged engine over the model."""
-        from ringstream.daemon.common.model_dir import load_tokenizer, resolve_model_dir
+        from ringstream.daemon.common.model_dir import check_tokenizer_vocab, load_tokenizer, resolve_model_dir
 
         config = self.spec.engine
         info = resolve_model_dir(self.spec.model_path)
@@ -225,6 +225,8 @@ class Worker:
         from ringstream.daemon.engine.loader import load_model
 
         hf_logging.disable_progress_bar()
+        tokenizer = load_tokenizer(info)
+        check_tokenizer_vocab(tokenizer, info)  # before the weights: a refusal in a second, naming both sizes
         if config.device == "cpu":
             if config.threads:
                 torch.set_num_threads(config.threads)
@@ -233,7 +235,7 @@ class Worker:
         else:  # this worker's GPU is the current one: a library's bare "cuda" opens no context on GPU 0
             torch.cuda.set_device(torch.device(config.device))
         model = load_model(info, device=config.device, dtype=config.dtype)
-        return Engine(model, load_tokenizer(info), config, eos_token_ids=info.eos_token_ids)
+        return Engine(model, tokenizer, config, eos_token_ids=info.eos_token_ids)
 
     def _report_ready(self) -> None:
         engine, spec = self.engine, self.spec

@@ -12,6 +12,7 @@ from ringstream.daemon.common.model_dir import (
     DEFAULT_MODEL_DIR,
     ModelError,
     ModelInfo,
+    check_tokenizer_vocab,
     load_tokenizer,
     resolve_model_dir,
 )
@@ -203,6 +204,17 @@ def test_resolve_config_without_context_length(tmp_path):
     _write_model_dir(tmp_path, {"vocab_size": 10, "eos_token_id": 1})
     with pytest.raises(ModelError, match="context length"):
         resolve_model_dir(tmp_path)
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_naming_both(tmp_path, default_info):
+    tokenizer = load_tokenizer(default_info)
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    small = resolve_model_dir(_write_model_dir(tmp_path, {"vocab_size": 1000, "max_position_embeddings": 8,
+                                                           "eos_token_id": 1}))
+    with pytest.raises(ModelError, match=f"{size} tokens .* vocab_size is 1000"):
+        check_tokenizer_vocab(tokenizer, small)
+    check_tokenizer_vocab(tokenizer, dataclasses.replace(small, vocab_size=size))  # equal: served
+    check_tokenizer_vocab(tokenizer, dataclasses.replace(small, vocab_size=size + 64))  # padded embedding
 
 
 def test_resolve_config_without_eos(tmp_path):
