@@ -51,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="TOML config file")
     serve.add_argument("--socket", help="client address: ipc://PATH or tcp://127.0.0.1:PORT")
     serve.add_argument("--instance", help="instance name (scopes socket and ring names)")
-    serve.add_argument("--model", help="local Hugging Face causal-LM directory (default: built-in model)")
+    serve.add_argument("--model", help="a Hugging Face causal-LM directory, or a model id org/name[@revision] "
+                       "found in the local Hugging Face cache (downloaded there when online; default: the "
+                       "built-in model)")
     serve.add_argument("--devices", help="auto | cpu | cpu,cpu | cuda:0,cuda:1")
     serve.add_argument("--engine", choices=["hf", "synthetic"],
                        help="hf (default) or synthetic (no model compute, to measure the serving layer)")

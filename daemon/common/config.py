@@ -47,7 +47,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Directory of client public-key certificates (``*.key``) allowed to connect over CURVE;
     re-read on SIGHUP. Required with ``curve_secret_key_file``."""
     model: str | None = None
-    """Local Hugging Face causal-LM directory; None = the built-in default model."""
+    """Hugging Face causal-LM directory, or a model id ``org/name[@revision]`` found in the local Hugging Face
+    cache (``HF_HUB_CACHE`` / ``HF_HOME``; downloaded there unless ``HF_HUB_OFFLINE``); None = the built-in
+    default model."""
     devices: str = "auto"
     """``auto`` (every visible CUDA GPU, else one CPU worker), ``cpu``, ``cpu,cpu``, ``cuda:0,cuda:1``."""
     engine: Literal["hf", "synthetic"] = "hf"

@@ -6,17 +6,25 @@ a fast-tokenizer ``tokenizer.json`` (``generation_config.json`` is optional).
 process needs (context length, end-of-sequence ids, ...) into a
 :class:`ModelInfo`.  :func:`load_tokenizer` gives the ``tokenizers`` tokenizer
 used for encoding and incremental decoding. No torch, no transformers: the
-engine's :mod:`ringstream.daemon.engine.loader` loads the weights.
+engine's :mod:`ringstream.daemon.engine.loader` loads the weights. A model may
+also be named as users name it on the Hugging Face hub, ``org/name`` (optionally
+``@revision``): :func:`hub_snapshot` finds it in the local hub cache, or fetches
+it there when the host is online.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer
+
+log = logging.getLogger("ringstream.model")
 
 DEFAULT_MODEL_DIR: Path = Path(__file__).parent.parent / "default_model"
 
@@ -93,7 +101,8 @@ def resolve_model_dir(path: str | Path | None) -> ModelInfo:
     """Validate a model directory and read its :class:`ModelInfo`.
 
     Args:
-        path: model directory; ``None`` selects :data:`DEFAULT_MODEL_DIR`.
+        path: model directory, or a Hugging Face model id (``org/name[@revision]``, :func:`hub_snapshot`) where
+            no such directory exists; ``None`` selects :data:`DEFAULT_MODEL_DIR`.
 
     Returns:
         The directory's :class:`ModelInfo`, with ``path`` made absolute.
@@ -104,8 +113,11 @@ def resolve_model_dir(path: str | Path | None) -> ModelInfo:
             context length, vocabulary size or end-of-sequence id.
     """
     root = Path(DEFAULT_MODEL_DIR if path is None else path).expanduser().resolve()
+    if not root.is_dir() and path is not None and HUB_ID.fullmatch(str(path)) and not Path(path).exists():
+        root = hub_snapshot(str(path))
     if not root.is_dir():
-        raise ModelError(f"model directory {root} does not exist or is not a directory")
+        raise ModelError(f"model directory {root} does not exist or is not a directory (a Hugging Face model is "
+                         "named org/name, optionally @revision)")
     config_path = root / CONFIG_FILE
     if not config_path.is_file():
         raise ModelError(f"model directory {root} has no {CONFIG_FILE}")
@@ -183,3 +195,57 @@ def check_tokenizer_vocab(tokenizer: Tokenizer, info: ModelInfo) -> None:
         raise ModelError(f"model directory {info.path}: its tokenizer has {size} tokens (ids up to {size - 1}) "
                          f"but the model's vocab_size is {info.vocab_size}; the tokenizer and the weights belong "
                          "to different models")
+
+
+HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+)(?:@(?P<revision>[A-Za-z0-9_./-]+))?")
+"""A Hugging Face model id as users type it: ``org/name``, optionally ``@revision`` (a branch, tag or commit)."""
+HUB_FILES = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+             "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+             "chat_template.json")
+"""The files of a causal LM the daemon reads: config, weights (safetensors only), tokenizer, chat template."""
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``
+    (huggingface_hub's own order, read at each call)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def hub_snapshot(name: str) -> Path:
+    """The local snapshot directory of the Hugging Face model ``name`` (``org/name[@revision]``).
+
+    Looked up in the hub cache (:func:`hub_cache_dir`, the layout ``huggingface_hub`` writes:
+    ``models--org--name/snapshots/<commit>``); when it is not there and the host is not offline
+    (``HF_HUB_OFFLINE``), downloaded into it with ``huggingface_hub`` (the files of :data:`HUB_FILES`
+    only, with its progress bars).
+
+    Raises:
+        ModelError: not cached and offline, or the download failed; the message gives the command that
+            fetches it.
+    """
+    from huggingface_hub import snapshot_download
+
+    match = HUB_ID.fullmatch(name)
+    repo, revision = match["repo"], match["revision"]
+    cache = hub_cache_dir()
+    fetch = (f"hf download {repo}{f' --revision {revision}' if revision else ''} --include "
+             + " ".join(f"'{pattern}'" for pattern in HUB_FILES))
+    try:
+        return Path(snapshot_download(repo, revision=revision, cache_dir=cache, allow_patterns=list(HUB_FILES),
+                                      local_files_only=True))
+    except Exception:  # huggingface_hub's LocalEntryNotFoundError: not cached
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise ModelError(f"{name} is not in the Hugging Face cache {cache} and HF_HUB_OFFLINE is set; fetch it "
+                         f"on a host with network with: {fetch} (then copy {cache} over, or set HF_HUB_CACHE "
+                         "to where it is)")
+    log.info("%s is not in the Hugging Face cache %s: downloading it", name, cache)
+    try:
+        return Path(snapshot_download(repo, revision=revision, cache_dir=cache, allow_patterns=list(HUB_FILES)))
+    except Exception as exc:  # network, unknown repo or revision, gated repo: huggingface_hub's own message
+        raise ModelError(f"{name} is not in the Hugging Face cache {cache} and cannot be downloaded "
+                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); fetch it "
+                         f"with: {fetch}") from None

@@ -47,7 +47,7 @@ from ringstream.daemon.http.options import HttpOptions
 from ringstream.daemon.common.listen import read_api_key
 from ringstream.daemon.front.intake import Intake
 from ringstream.daemon.front.metrics import Metrics
-from ringstream.daemon.common.model_dir import ModelInfo, load_tokenizer, resolve_model_dir
+from ringstream.daemon.common.model_dir import ModelInfo, check_tokenizer_vocab, load_tokenizer, resolve_model_dir
 from ringstream.daemon.front.notify import Notifier, WatchdogGate
 from ringstream.daemon.front.ports import SendResult
 from ringstream.daemon.front.request import DaemonState
@@ -205,7 +205,9 @@ class Front:
                     raise ValueError(f"max_model_len = {config.max_model_len} exceeds the model's context of "
                                      f"{self.model.max_model_len} tokens")
                 self.model = replace(self.model, max_model_len=config.max_model_len)
-            validator = Validator(load_tokenizer(self.model), self.model)
+            tokenizer = load_tokenizer(self.model)
+            check_tokenizer_vocab(tokenizer, self.model)  # before any worker loads the weights
+            validator = Validator(tokenizer, self.model)
         except Exception as exc:
             raise StartupError(str(exc)) from exc
         soft, raised_from = ensure_open_files(open_files_needed(config.max_clients, len(self.devices)))

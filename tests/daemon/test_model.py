@@ -288,3 +288,36 @@ def test_make_model_smoke(tmp_path):
             do_sample=False,
         )
     assert generated.shape == (1, input_ids.shape[1] + 4)
+
+
+def _hub_cache(root: Path, repo: str, commit: str = "a" * 40, ref: str = "main") -> Path:
+    """A Hugging Face hub cache holding ``repo`` at ``commit`` (the layout huggingface_hub writes)."""
+    folder = root / f"models--{repo.replace('/', '--')}"
+    snapshot = folder / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        (snapshot / name).write_bytes((DEFAULT_MODEL_DIR / name).read_bytes())
+    (folder / "refs").mkdir()
+    (folder / "refs" / ref).write_text(commit)
+    return snapshot
+
+
+def test_a_hub_model_id_resolves_in_the_local_cache_offline(tmp_path, monkeypatch):
+    from ringstream.daemon.common.model_dir import hub_cache_dir
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    assert hub_cache_dir() == tmp_path / "hf" / "hub"
+    snapshot = _hub_cache(tmp_path / "hf" / "hub", "acme/tiny-chat")
+    monkeypatch.chdir(tmp_path)
+    info = resolve_model_dir("acme/tiny-chat")
+    assert info.path == snapshot.resolve() and info.vocab_size > 0
+    assert resolve_model_dir(f"acme/tiny-chat@{'a' * 40}").path == snapshot.resolve()
+    with pytest.raises(ModelError, match=r"acme/other is not in the Hugging Face cache .*hf download acme/other"):
+        resolve_model_dir("acme/other")
+    with pytest.raises(ModelError, match="--revision v2"):
+        resolve_model_dir("acme/tiny-chat@v2")
+    (tmp_path / "acme" / "tiny-chat").mkdir(parents=True)  # a local directory of that name wins over the hub
+    with pytest.raises(ModelError, match="has no config.json"):
+        resolve_model_dir("acme/tiny-chat")
