@@ -249,3 +249,14 @@ def hub_snapshot(name: str) -> Path:
         raise ModelError(f"{name} is not in the Hugging Face cache {cache} and cannot be downloaded "
                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); fetch it "
                          f"with: {fetch}") from None
+
+
+def model_name(path: str | Path) -> str:
+    """The name a model directory is served under by default: ``org/name`` for a Hugging Face cache snapshot
+    (``.../models--org--name/snapshots/<commit>``, as vLLM names a model by its hub id), else the directory's
+    own name."""
+    path = Path(path)
+    repo = path.parent.parent.name
+    if path.parent.name == "snapshots" and repo.startswith("models--") and "--" in repo[len("models--"):]:
+        return repo[len("models--"):].replace("--", "/", 1)
+    return path.name

@@ -28,6 +28,7 @@ from ringstream.daemon.http import openai_schema as S
 from ringstream.daemon.http import responses as R
 from ringstream.daemon.http import tools as T
 from ringstream.daemon.common.chat_template import ChatTemplate, ChatTemplateError, render_chat_prompt
+from ringstream.daemon.common.model_dir import model_name
 from ringstream.daemon.http.options import BODY_TIMEOUT_S, MAX_BODY_BYTES, WRITE_TIMEOUT_S
 from ringstream.ipc import protocol as P
 from ringstream.ipc.client import AsyncClient
@@ -165,7 +166,7 @@ class HttpApi:
         except (ChatTemplateError, OSError) as exc:
             error = str(exc)
             log.warning("chat template: %s", exc)
-        served = ServedModel(self.model_name or Path(status.model).name, status.model,
+        served = ServedModel(self.model_name or model_name(status.model), status.model,
                              min(lens) if lens else None, template, error, status.accepts_messages)
         if lens:  # kept once a worker has reported its context length (before that, asked again next time)
             self._model = served

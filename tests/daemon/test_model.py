@@ -321,3 +321,10 @@ def test_a_hub_model_id_resolves_in_the_local_cache_offline(tmp_path, monkeypatc
     (tmp_path / "acme" / "tiny-chat").mkdir(parents=True)  # a local directory of that name wins over the hub
     with pytest.raises(ModelError, match="has no config.json"):
         resolve_model_dir("acme/tiny-chat")
+
+
+def test_a_cache_snapshot_is_served_under_its_hub_id():
+    from ringstream.daemon.common.model_dir import model_name
+
+    assert model_name("/c/hub/models--acme--tiny-chat/snapshots/" + "a" * 40) == "acme/tiny-chat"
+    assert model_name("/srv/models/llama-3") == "llama-3"
