@@ -38,6 +38,8 @@ from pathlib import Path
 
 __all__ = ["ClusterError", "Cluster", "Workload", "add_parser", "command", "ideal_hit_fraction", "run_policy"]
 
+BUILTIN_KV_CACHE_BYTES = 16 * 2**20
+"""Each daemon's KV pool with the built-in model by default: 128 blocks of 16 tokens (8 KiB a token)."""
 SINGLE = "single"
 """The reference run: the workload sent straight to one daemon (no router), at the same concurrency."""
 POLICIES = (SINGLE, "kv_aware", "round_robin", "cache_aware")
@@ -109,10 +111,10 @@ def prefix_counters(url: str) -> tuple[float, float]:
 class Workload:
     """Tenants sharing long system prompts; each request a tenant's system prompt and its own question."""
 
-    tenants: int = 3
-    requests: int = 24
+    tenants: int = 8
+    requests: int = 48
     system_tokens: int = 320
-    concurrency: int = 4
+    concurrency: int = 2
     max_tokens: int = 2
     seed: int = 0
 
@@ -350,20 +352,27 @@ def token_ids(url: str, prompts: list[str]) -> list[list[int]]:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("cluster", help="N daemons behind vllm-router: prefix-cache hits by routing policy, and a "
-                                       "daemon killed mid-run")
-    p.add_argument("--daemons", type=int, default=2, help="daemons (default %(default)s)")
+    from ringstream.daemon.cli import _DefaultsHelp
+
+    p = sub.add_parser("cluster", formatter_class=_DefaultsHelp,
+                       help="N daemons behind vllm-router: prefix-cache hits by routing policy, and a daemon killed "
+                            "mid-run",
+                       description="Tenants share long system prompts; each request is one tenant's system prompt "
+                                   f"and its own question, {Workload.max_tokens} tokens generated. Policies: "
+                                   f"{SINGLE} (one daemon, no router: the reference) and vllm-router's.")
+    p.add_argument("--daemons", type=int, default=2, help="daemons")
     p.add_argument("--model", help="model directory (default: the built-in model)")
-    p.add_argument("--policies", default=",".join(POLICIES), help="vllm-router policies (default %(default)s)")
-    p.add_argument("--tenants", type=int, default=Workload.tenants)
-    p.add_argument("--requests", type=int, default=Workload.requests)
+    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated: single and vllm-router's")
+    p.add_argument("--tenants", type=int, default=Workload.tenants, help="system prompts")
+    p.add_argument("--requests", type=int, default=Workload.requests, help="requests per policy")
     p.add_argument("--system-tokens", type=int, default=Workload.system_tokens,
                    help="about this many tokens of system prompt per tenant")
-    p.add_argument("--concurrency", type=int, default=Workload.concurrency)
+    p.add_argument("--concurrency", type=int, default=Workload.concurrency, help="requests in flight")
     p.add_argument("--threads", type=int, default=1, help="torch threads per daemon")
     p.add_argument("--kv-cache-bytes", type=int,
-                   help="each daemon's KV pool (default: the daemon's); smaller than all tenants' prefixes shows "
-                        "what routing by KV events adds: each daemon holds some tenants")
+                   help=f"each daemon's KV pool (default: {BUILTIN_KV_CACHE_BYTES} with the built-in model, about "
+                        "half of what the default tenants' prompts need, else the daemon's own); smaller than all "
+                        "tenants' prefixes shows what routing by KV events adds: each daemon holds some tenants")
     p.add_argument("--kill", action="store_true", help="also SIGKILL a daemon mid-run under kv_aware")
     p.add_argument("--json", help="write the figures to this file")
 
@@ -375,7 +384,8 @@ def command(args: argparse.Namespace) -> int:
     workload = Workload(tenants=args.tenants, requests=args.requests, system_tokens=args.system_tokens,
                         concurrency=args.concurrency)
     rows = []
-    serve_args = ("--kv-cache-bytes", str(args.kv_cache_bytes)) if args.kv_cache_bytes else ()
+    kv_bytes = args.kv_cache_bytes or (BUILTIN_KV_CACHE_BYTES if args.model is None else None)
+    serve_args = ("--kv-cache-bytes", str(kv_bytes)) if kv_bytes else ()
     with Cluster(args.daemons, args.model, serve_args, threads=args.threads) as cluster:
         ideal = ideal_hit_fraction(token_ids(cluster.urls[0], workload.prompts()), _block_size(cluster))
         for policy in args.policies.split(","):

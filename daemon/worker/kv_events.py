@@ -239,8 +239,10 @@ class KVEventPublisher:
         replay = self._replay
         while replay.poll(0):
             frames = replay.recv_multipart()
-            if len(frames) != 3 or len(frames[2]) != 8:
-                log.warning("KV events: a malformed replay request ignored (%d frames)", len(frames))
+            if len(frames) != 3 or frames[1] or len(frames[2]) != 8:
+                log.warning("KV events: a replay request of %d frames (%s) ignored: send (b'', start_seq) from a "
+                            "DEALER (or start_seq alone from a REQ), start_seq 8 bytes big-endian", len(frames) - 1,
+                            ", ".join(f"{len(f)} bytes" for f in frames[1:4]))
                 continue
             client, _, start = frames
             start_seq = int.from_bytes(start, "big", signed=True)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from ringstream.tools.bench_cluster import Cluster, Workload, ideal_hit_fraction, router_command, run_policy, token_ids
+from ringstream.tools.bench_cluster import (
+    BUILTIN_KV_CACHE_BYTES, Cluster, Workload, ideal_hit_fraction, router_command, run_policy, token_ids,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(router_command() is None, reason="vllm-router is not installed")]
 
-KV_CACHE_BYTES = 16 * 2**20
+KV_CACHE_BYTES = BUILTIN_KV_CACHE_BYTES
 """Each daemon's pool: 128 blocks of 16 tokens, about half the tenants' system prompts with requests in flight,
 so a daemon holds some tenants well or all of them badly."""
 WORKLOAD = Workload(tenants=8, requests=48, system_tokens=320, concurrency=2, seed=1)
