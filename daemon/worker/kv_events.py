@@ -241,7 +241,7 @@ class KVEventPublisher:
             frames = replay.recv_multipart()
             if len(frames) != 3 or frames[1] or len(frames[2]) != 8:
                 log.warning("KV events: a replay request of %d frames (%s) ignored: send (b'', start_seq) from a "
-                            "DEALER (or start_seq alone from a REQ), start_seq 8 bytes big-endian", len(frames) - 1,
+                            "DEALER, start_seq 8 bytes big-endian", len(frames) - 1,
                             ", ".join(f"{len(f)} bytes" for f in frames[1:4]))
                 continue
             client, _, start = frames
