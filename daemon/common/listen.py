@@ -4,9 +4,10 @@ sockets opened here."""
 from __future__ import annotations
 
 import ipaddress
+import socket
 from pathlib import Path
 
-__all__ = ["ConfigError", "check_listen_auth", "is_loopback_host", "parse_listen", "offset_endpoint", "read_api_key"]
+__all__ = ["ConfigError", "check_listen_auth", "is_loopback_host", "parse_listen", "check_endpoints_free", "offset_endpoint", "read_api_key"]
 
 
 class ConfigError(ValueError):
@@ -69,3 +70,38 @@ def offset_endpoint(endpoint: str, index: int) -> str:
         raise ValueError(f"KV events endpoint {endpoint!r}: port {int(port) + index} (worker {index}) is out "
                          "of 1..65535")
     return f"tcp://{host}:{int(port) + index}"
+
+
+MAX_IPC_PATH_BYTES = 107
+"""Longest path of a unix socket address (``sun_path``, 108 bytes with its NUL)."""
+
+
+def check_endpoints_free(endpoints: list[str]) -> None:
+    """ValueError naming the endpoint when two of ``endpoints`` are the same, an ``ipc://`` path is too long
+    for a unix socket, or a ``tcp://`` one cannot be bound now (in use, an address of no interface here, a
+    host that does not resolve): checked before any worker starts, so that a bad endpoint fails the daemon's
+    start in a moment rather than after the model loads. (An ``ipc://`` path in use cannot be told: a second
+    bind takes it over.)"""
+    seen: set[str] = set()
+    for endpoint in endpoints:
+        if endpoint in seen:
+            raise ValueError(f"KV events endpoint {endpoint} is given twice (a worker's events port and another "
+                             "worker's replay port collide: space the two settings' ports by more than the "
+                             "number of workers)")
+        seen.add(endpoint)
+        if endpoint.startswith("ipc://"):
+            if len(endpoint[len("ipc://"):].encode()) > MAX_IPC_PATH_BYTES:
+                raise ValueError(f"KV events endpoint {endpoint}: the path is longer than a unix socket's "
+                                 f"{MAX_IPC_PATH_BYTES} bytes")
+            continue
+        host, _, port = endpoint[len("tcp://"):].rpartition(":")
+        host = host.strip("[]")
+        try:
+            infos = socket.getaddrinfo(None if host == "*" else host, int(port), type=socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE)
+            family, kind, proto, _, address = infos[0]
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
+                probe.bind(address)
+        except OSError as exc:
+            raise ValueError(f"KV events endpoint {endpoint}: cannot bind it ({exc.strerror or exc})") from None

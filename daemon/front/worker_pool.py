@@ -34,7 +34,7 @@ from ringstream.daemon.common.config import Config
 from ringstream.daemon.common.supervision import (
     EXIT_REAP_S, RESTART_WINDOW_S, StartupError, backoff, join_with_deadlines,
 )
-from ringstream.daemon.common.listen import offset_endpoint
+from ringstream.daemon.common.listen import check_endpoints_free, offset_endpoint
 from ringstream.daemon.worker.spec import KVEventsSpec, WorkerSpec, run_worker
 from ringstream.ipc import protocol as P
 from ringstream.ipc.address import bind_private
@@ -189,6 +189,9 @@ def create_workers(
                 kv_events=kv_events_spec(config, index),
             )
             workers.append(WorkerProcess(index, device, spec, ring, commands))
+        check_endpoints_free([endpoint for w in workers if w.spec.kv_events is not None
+                              for endpoint in (w.spec.kv_events.endpoint, w.spec.kv_events.replay_endpoint)
+                              if endpoint is not None])
     except Exception as exc:
         release_workers(workers)
         raise StartupError(f"cannot create worker resources: {exc}") from exc

@@ -10,8 +10,10 @@ carry ``data_parallel_rank = i``.
 Wire format (vLLM ``vllm/distributed/kv_events.py``, ``ZmqEventPublisher``), checked by decoding with vLLM's own
 structs:
 
-- a PUB socket sends multipart messages ``(topic, seq, payload)``: ``topic`` the configured bytes (empty by
-  default), ``seq`` an 8-byte big-endian counter from 0 per publisher, ``payload`` one msgpack ``KVEventBatch``
+- a PUB socket (an XPUB: it hears subscriptions) sends multipart messages ``(topic, seq, payload)``:
+  ``topic`` the configured bytes (empty by default), ``seq`` an 8-byte big-endian counter, +1 a batch, from
+  the microseconds since the epoch at the publisher's start (vLLM's starts at 0; this one keeps increasing
+  across a worker's restarts), ``payload`` one msgpack ``KVEventBatch``
   (an array ``[ts, events, data_parallel_rank]``; each event a map tagged by its ``type``: ``BlockStored``,
   ``BlockRemoved``, ``AllBlocksCleared``);
 - an optional ROUTER replay socket answers a request ``(b"", start_seq)`` (8-byte big-endian) with every
@@ -26,10 +28,12 @@ is ``GPU``: vLLM's name for the engine's own KV pool on every device (its CPU bu
 The engine loop never waits on a subscriber: :meth:`KVEventPublisher.publish` appends the step's events to a
 bounded queue and returns; a thread encodes and sends them. ZeroMQ's PUB drops messages to a subscriber past
 its high-water mark (a slow subscriber loses messages, and may ask the replay socket for them). When the queue
-itself is full (the thread starved), the batches that do not fit are dropped and the next batch sent starts
+itself is full (the thread starved), the batches that do not fit are dropped and the next batch queued starts
 with ``AllBlocksCleared``: a subscriber then knows less than the cache holds, never more. The first batch of
 every publisher is an ``AllBlocksCleared`` too, so a subscriber that followed a previous worker on the same
-endpoint (before a restart) forgets its blocks.
+endpoint (before a restart) forgets its blocks; batches wait up to ``FIRST_SUBSCRIBER_WAIT_S`` for a first
+subscription, so that a subscriber reconnecting to a restarted worker receives that clear. A replay request is
+served one a turn between live batches.
 """
 
 from __future__ import annotations
@@ -71,6 +75,13 @@ SEND_HWM = 100_000
 """ZeroMQ send high-water mark of the PUB socket, messages per subscriber (vLLM's ``hwm`` default)."""
 IDLE_WAKE_S = 0.1
 """The publisher thread checks the replay socket at least this often, seconds."""
+SUBSCRIBER_POLL_S = 0.01
+"""While no subscriber has joined, the thread looks for one this often, seconds."""
+FIRST_SUBSCRIBER_WAIT_S = 5.0
+"""Batches wait this long after the start for a first subscriber (a router reconnecting to a restarted
+worker), so that it receives the opening clear; past it they go out to whoever listens."""
+MAX_REPLAY_REQUEST_BYTES = 64
+"""Largest frame the replay socket accepts (a request is 8 bytes); a peer sending more is disconnected."""
 CLOSE_FLUSH_S = 1.0
 """On close, queued batches get this long to go out."""
 
@@ -141,15 +152,23 @@ class KVEventPublisher:
     def __init__(self, spec: KVEventsSpec, ctx: zmq.Context) -> None:
         self.spec = spec
         self._topic = spec.topic.encode()
-        self._pub = ctx.socket(zmq.PUB)
+        # XPUB: a PUB that also hears subscriptions, so that the first batch waits for the first subscriber
+        # (ZeroMQ drops what a PUB sends before a subscription arrives: the slow joiner).
+        self._pub = ctx.socket(zmq.XPUB)
         self._pub.setsockopt(zmq.SNDHWM, SEND_HWM)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay: zmq.Socket | None = None
         try:
+            if _is_ipv6(spec.endpoint):
+                self._pub.setsockopt(zmq.IPV6, 1)
             self._pub.bind(spec.endpoint)
             if spec.replay_endpoint is not None:
                 self._replay = ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.setsockopt(zmq.SNDHWM, REPLAY_BUFFER_BATCHES + 2)  # a whole answer, END included
+                self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_REPLAY_REQUEST_BYTES)
+                if _is_ipv6(spec.replay_endpoint):
+                    self._replay.setsockopt(zmq.IPV6, 1)
                 self._replay.bind(spec.replay_endpoint)
         except zmq.ZMQError:
             self._pub.close()
@@ -159,22 +178,35 @@ class KVEventPublisher:
         self._queue: deque[tuple[float, list]] = deque()
         self._wake = threading.Event()
         self._running = True
-        self._lost = 0
-        """Batches dropped since the last one sent (queue full); the next batch sent starts with a clear."""
+        self._dropping = False
+        """The queue was full for the last batch (engine thread only): the next one queued starts with a clear."""
         self.dropped = 0
-        """Batches dropped in all (counter)."""
-        self._seq = count()
+        """Batches dropped in all (counter; engine thread only)."""
+        self._malformed = 0
+        # Sequence numbers start at the microseconds since the epoch, not 0, so that they keep increasing
+        # across a worker's restarts: a subscriber that checks for gaps sees one (and may replay it), never a
+        # sequence going back that it would take for old news.
+        self._seq = count(time.time_ns() // 1000)
+        self._subscribed = False
+        self._hold_until = time.monotonic() + FIRST_SUBSCRIBER_WAIT_S
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BUFFER_BATCHES)
         self._queue.append((time.time(), [BlocksCleared()]))
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
 
     def publish(self, events: list) -> None:
-        """Queue one step's events (the block manager's, oldest first) and return at once."""
+        """Queue one step's events (the block manager's, oldest first) and return at once. Called from the
+        engine's thread only."""
         if len(self._queue) >= MAX_QUEUED_BATCHES:
-            self._lost += 1
             self.dropped += 1
+            if not self._dropping:
+                self._dropping = True
+                log.warning("KV events: the publisher queue is full; dropping batches (the next one sent tells "
+                            "subscribers to clear)")
             return
+        if self._dropping:  # the gap lies before this batch: its clear must follow every dropped batch
+            self._dropping = False
+            events = [BlocksCleared(), *events]
         self._queue.append((time.time(), events))
         self._wake.set()
 
@@ -198,10 +230,11 @@ class KVEventPublisher:
                 deadline = deadline or time.monotonic() + CLOSE_FLUSH_S
                 if not self._queue or time.monotonic() >= deadline:
                     return
-            if self._replay is not None:
-                self._serve_replay()
-            if not self._queue:
-                self._wake.wait(IDLE_WAKE_S)
+            self._read_subscriptions()
+            if self._replay is not None and self._replay.poll(0):
+                self._serve_replay()  # one request a turn: replays never starve the live events
+            if not self._queue or not self._may_send():
+                self._wake.wait(IDLE_WAKE_S if self._subscribed else SUBSCRIBER_POLL_S)
                 self._wake.clear()
                 continue
             ts, events = self._queue.popleft()
@@ -210,15 +243,19 @@ class KVEventPublisher:
             except Exception:  # a bug here must not end the worker's events for good
                 log.exception("KV events: a batch could not be published")
 
+    def _may_send(self) -> bool:
+        """Whether batches may go out: a subscriber has joined, or none did within ``FIRST_SUBSCRIBER_WAIT_S``
+        of the start (or the publisher is closing)."""
+        return self._subscribed or not self._running or time.monotonic() >= self._hold_until
+
+    def _read_subscriptions(self) -> None:
+        while self._pub.poll(0):
+            frame = self._pub.recv()
+            if frame[:1] == b"\x01":
+                self._subscribed = True
+
     def _send(self, ts: float, events: list) -> None:
-        wire = []
-        if self._lost:
-            log.warning("KV events: %d batches dropped (publisher queue full); subscribers are told to clear",
-                        self._lost)
-            self._lost = 0
-            wire.append(AllBlocksCleared())
-        for event in events:
-            wire.append(self._to_wire(event))
+        wire = [self._to_wire(event) for event in events]
         seq = next(self._seq)
         payload = _ENCODER.encode(KVEventBatch(ts=ts, events=wire, data_parallel_rank=self.spec.rank))
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
@@ -237,16 +274,23 @@ class KVEventPublisher:
 
     def _serve_replay(self) -> None:
         replay = self._replay
-        while replay.poll(0):
-            frames = replay.recv_multipart()
-            if len(frames) != 3 or frames[1] or len(frames[2]) != 8:
-                log.warning("KV events: a replay request of %d frames (%s) ignored: send (b'', start_seq) from a "
-                            "DEALER, start_seq 8 bytes big-endian", len(frames) - 1,
-                            ", ".join(f"{len(f)} bytes" for f in frames[1:4]))
-                continue
-            client, _, start = frames
-            start_seq = int.from_bytes(start, "big", signed=True)
-            for seq, payload in list(self._buffer):
-                if seq >= start_seq:
-                    replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-            replay.send_multipart((client, b"", END_SEQ, b""))
+        frames = replay.recv_multipart()
+        if len(frames) != 3 or frames[1] or len(frames[2]) != 8:
+            self._malformed += 1
+            if self._malformed & (self._malformed - 1) == 0:  # the 1st, 2nd, 4th, 8th...: never a flood
+                log.warning("KV events: a replay request of %d frames (%s) ignored (%d so far): send "
+                            "(b'', start_seq) from a DEALER, start_seq 8 bytes big-endian", len(frames) - 1,
+                            ", ".join(f"{len(f)} bytes" for f in frames[1:4]), self._malformed)
+            return
+        client, _, start = frames
+        start_seq = int.from_bytes(start, "big", signed=True)
+        for seq, payload in list(self._buffer):
+            if seq >= start_seq:
+                replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+        replay.send_multipart((client, b"", END_SEQ, b""))
+
+
+def _is_ipv6(endpoint: str) -> bool:
+    """Whether a ``tcp://`` endpoint names an IPv6 address (``tcp://[::1]:5557``), which ZeroMQ binds only
+    with its IPV6 option set."""
+    return endpoint.startswith("tcp://[")

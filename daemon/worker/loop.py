@@ -152,6 +152,10 @@ class Worker:
 
     def close(self) -> None:
         if self.kv_events is not None:
+            try:
+                self._publish_kv_events()  # a stop right after a failed step: its changes still go out
+            except Exception:  # noqa: BLE001 (closing: the engine may be half gone)
+                log.debug("KV events: the last changes could not be taken", exc_info=True)
             self.kv_events.close()
         if self.ring is not None:
             self.ring.close()
@@ -262,6 +266,7 @@ class Worker:
             self._take_commands(0 if busy else idle_ms)
             if not engine.has_unfinished():
                 self._publish()  # records written by commands alone (e.g. an abort's FINISH)
+                self._publish_kv_events()
                 continue
             try:
                 outputs = engine.step()
@@ -273,15 +278,20 @@ class Worker:
                     raise DeviceLost(str(exc)) from exc
                 log.exception("engine step failed; failing %d requests", len(self.handles))
                 self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+                self._publish_kv_events()  # what the failed step cached or evicted before it failed
                 continue
             self.steps += 1
             for out in outputs:
                 self._write_output(out)
             self._publish()
-            if self.kv_events is not None:
-                events = engine.take_kv_events()
-                if events:
-                    self.kv_events.publish(events)
+            self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        """Hand the prefix cache's changes since the last call to the KV events publisher (when there is one)."""
+        if self.kv_events is not None:
+            events = self.engine.take_kv_events()
+            if events:
+                self.kv_events.publish(events)
 
     def _check_alive(self) -> None:
         if self.stopping or os.getppid() != self.spec.parent_pid:

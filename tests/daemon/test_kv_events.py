@@ -9,7 +9,7 @@ import pytest
 import zmq
 
 from ringstream.daemon.common.config import Config
-from ringstream.daemon.common.listen import offset_endpoint
+from ringstream.daemon.common.listen import check_endpoints_free, offset_endpoint
 from ringstream.daemon.engine.block_manager import BlocksCleared, BlocksRemoved, BlocksStored
 from ringstream.daemon.front.worker_pool import kv_events_spec
 from ringstream.daemon.worker import kv_events as K
@@ -79,14 +79,15 @@ def test_batches_are_vllms_wire_format_in_sequence(ctx, endpoints):
     pub = publisher(ctx, endpoints, topic="kv")
     sub = subscriber(ctx, endpoints[0], b"kv")
     try:
-        (seq, first), = replayed(ctx, endpoints[1], 0, 1)  # every publisher starts with a clear
-        assert seq == 0 and first.events == [K.AllBlocksCleared()] and first.data_parallel_rank == 3
-        time.sleep(0.3)  # the subscription reaches the PUB socket (ZeroMQ's slow joiner)
+        # the opening clear waits for the first subscriber (ZeroMQ's slow joiner would lose it)
+        topic, first_seq, first = receive(sub)
+        assert topic == b"kv" and first.events == [K.AllBlocksCleared()] and first.data_parallel_rank == 3
+        assert abs(first_seq - time.time_ns() // 1000) < 60 * 10**6  # from the start's microseconds
+        ((seq, _),) = replayed(ctx, endpoints[1], 0, 1)
+        assert seq == first_seq
         pub.publish([BlocksStored([KEY_A, KEY_B], None, [1, 2, 3, 4, 5, 6, 7, 8]), BlocksRemoved([KEY_A])])
         topic, seq, batch = receive(sub)
-        if seq == 0:  # the initial clear, when the subscription was quicker than the thread
-            topic, seq, batch = receive(sub)
-        assert (topic, seq) == (b"kv", 1)
+        assert (topic, seq) == (b"kv", first_seq + 1)
         stored, removed = batch.events
         assert stored == K.BlockStored(block_hashes=[K.external_block_hash(KEY_A), K.external_block_hash(KEY_B)],
                                        parent_block_hash=None, token_ids=[1, 2, 3, 4, 5, 6, 7, 8], block_size=4)
@@ -118,37 +119,68 @@ def test_external_hash_is_the_keys_last_eight_bytes_unsigned():
 def test_replay_resends_buffered_batches_from_the_asked_sequence(ctx, endpoints):
     pub = publisher(ctx, endpoints)
     try:
+        pub._hold_until = 0  # no subscriber: send at once
         for i in range(3):
             pub.publish([BlocksRemoved([bytes([i]) * 32])])
-        answer = replayed(ctx, endpoints[1], 2, 2)
-        assert [seq for seq, _ in answer] == [2, 3]
+        first = replayed(ctx, endpoints[1], 0, 4)[0][0]
+        answer = replayed(ctx, endpoints[1], first + 2, 2)
+        assert [seq for seq, _ in answer] == [first + 2, first + 3]
         for seq, batch in answer:
-            assert batch.events[0].block_hashes == [K.external_block_hash(bytes([seq - 1]) * 32)]
+            assert batch.events[0].block_hashes == [K.external_block_hash(bytes([seq - first - 1]) * 32)]
     finally:
         pub.close()
 
 
-def test_publish_never_blocks_and_a_full_queue_drops_then_clears(ctx, endpoints, monkeypatch):
+def test_publish_never_blocks_and_after_a_full_queue_the_next_batch_queued_clears_first(ctx, endpoints,
+                                                                                      monkeypatch):
     monkeypatch.setattr(K, "MAX_QUEUED_BATCHES", 5)
     pub = publisher(ctx, endpoints, replay=False)
     pub._running = False  # the thread stops sending: the queue fills
     pub._wake.set()
     pub._thread.join(5)
-    pub._queue.clear()  # the initial clear, if the thread stopped before sending it
+    pub._queue.clear()  # the opening clear, if the thread stopped before sending it
+    stored = BlocksStored([KEY_A], None, [1, 2, 3, 4])
     started = time.perf_counter()
     for _ in range(1000):  # no subscriber, no thread: each call returns at once
-        pub.publish([BlocksCleared()])
+        pub.publish([stored])
     assert time.perf_counter() - started < 1.0
     assert len(pub._queue) == 5 and pub.dropped == 995
-    sub = subscriber(ctx, endpoints[0])
-    time.sleep(0.2)  # the subscription reaches the PUB socket
-    queued = list(pub._queue)
+    queued = [events for _, events in pub._queue]
+    assert all(events == [stored] for events in queued)  # batches queued before the loss are sent as they are
     pub._queue.clear()
-    pub._send(*queued[-1])  # the next batch sent after a loss starts with a clear
-    _, _, batch = receive(sub)
-    assert batch.events[0] == K.AllBlocksCleared()
-    sub.close()
+    pub.publish([BlocksRemoved([KEY_A])])
+    (_, events), = pub._queue
+    assert events == [BlocksCleared(), BlocksRemoved([KEY_A])]  # the clear follows every dropped batch
+    pub.publish([BlocksRemoved([KEY_B])])
+    assert [e for _, e in pub._queue][-1] == [BlocksRemoved([KEY_B])]  # one clear per loss
     pub.close()
+
+
+def test_a_replay_answer_is_whole_for_a_reader_that_starts_late(ctx, endpoints, monkeypatch):
+    monkeypatch.setattr(K, "REPLAY_BUFFER_BATCHES", 3000)
+    pub = publisher(ctx, endpoints)
+    pub._hold_until = 0
+    try:
+        for i in range(2999):
+            pub.publish([BlocksStored([i.to_bytes(32, "big")], None, list(range(4)))])
+        deadline = time.monotonic() + 30
+        while len(pub._buffer) < 3000 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(endpoints[1])
+        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        time.sleep(1.5)  # a reader that starts late: the ROUTER holds the whole answer for it
+        count = 0
+        while dealer.poll(5000):
+            _, seq, _ = dealer.recv_multipart()
+            if seq == K.END_SEQ:
+                break
+            count += 1
+        assert count == 3000
+        dealer.close()
+    finally:
+        pub.close()
 
 
 def test_a_tcp_endpoint_in_use_fails_the_second_publisher_with_zmq_error(ctx):
@@ -191,3 +223,21 @@ def test_the_front_gives_each_worker_its_ports_and_rank():
     spec = kv_events_spec(config, 1)
     assert spec == KVEventsSpec("tcp://*:6001", "tcp://*:7001", "t", 1, 32)
     assert kv_events_spec(Config(), 0) is None
+
+
+def test_endpoints_that_cannot_be_bound_are_refused_before_any_worker_starts():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for endpoints, words in [
+            ([f"tcp://127.0.0.1:{port}"], "cannot bind"),  # in use
+            (["tcp://nosuchhost.invalid:5557"], "cannot bind"),
+            (["tcp://127.0.0.1:5001", "tcp://127.0.0.1:5001"], "given twice"),  # worker 1's port = replay's
+            (["ipc:///" + "x" * 120], "longer than a unix socket"),
+        ]:
+            with pytest.raises(ValueError, match=words):
+                check_endpoints_free(endpoints)
+    check_endpoints_free(["tcp://127.0.0.1:0", "tcp://*:0"])
