@@ -155,3 +155,38 @@ def test_more_streams_than_the_pool_holds_all_finish_whole(daemon):
     assert worker.kv_blocks_free == worker.kv_blocks_total  # no leaked block
     assert alone.token_ids == results[0].token_ids  # preempted and resumed: the same greedy tokens
     assert metrics["ringstream_preemptions_total{cause=kv_cache,worker=0}"] >= worker.preemptions_kv_cache
+
+
+def test_a_restarted_worker_tells_a_subscriber_that_stayed_connected_to_clear(daemon, kv_events):
+    # last in this module: it kills the daemon's worker. The subscriber's connection breaks and ZeroMQ
+    # reconnects it to the new worker, whose opening clear waits for it; its sequence goes on increasing.
+    import os
+    import signal
+
+    import msgspec
+    import zmq
+
+    from ringstream.daemon.worker.kv_events import AllBlocksCleared, KVEventBatch
+
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(kv_events)
+    try:
+        time.sleep(0.3)
+        with Client(daemon.address) as client:
+            client.complete(prompt_token_ids=list(range(3100, 3100 + 2 * BLOCK_SIZE)), max_tokens=1)
+        assert sub.poll(5000)
+        before = int.from_bytes(sub.recv_multipart()[1], "big")
+        (worker_pid,) = daemon.worker_pids()
+        os.kill(worker_pid, signal.SIGKILL)
+        assert sub.poll(60_000), "no batch from the restarted worker"
+        _, seq, payload = sub.recv_multipart()
+        batch = msgspec.msgpack.decode(payload, type=KVEventBatch)
+        assert batch.events == [AllBlocksCleared()] and int.from_bytes(seq, "big") > before
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+    with Client(daemon.address) as client:  # the daemon serves on with its new worker
+        _wait_report(client, lambda w: w.alive)
+        assert client.complete(prompt_token_ids=[5, 6, 7], max_tokens=2).usage.completion_tokens == 2
