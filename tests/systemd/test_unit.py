@@ -246,3 +246,6 @@ def test_example_config_is_valid_and_shows_the_defaults():
             assert getattr(parsed, key) == getattr(defaults, key), f"example {key} = {value} is not the default"
         shown += 1
     assert shown >= 10
+    text = EXAMPLE_CONFIG.read_text()
+    missing = [key for key in Config.__struct_fields__ if not re.search(rf"^#\s*{key}\b", text, re.M)]
+    assert not missing, f"the example config lacks {missing}: every setting belongs in it"
