@@ -97,20 +97,61 @@ def _eos_ids(value: Any, source: Path) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
-def resolve_model_dir(path: str | Path | None) -> ModelInfo:
+CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+"""Architecture names of causal LMs (``...ForConditionalGeneration``: a multimodal model, served by its text
+model) as transformers names them; a config naming none of them (``BertForMaskedLM``) is another kind."""
+UNSUPPORTED_FAMILIES = {
+    **dict.fromkeys(("mamba", "mamba2", "falcon_mamba", "rwkv", "jamba", "zamba", "zamba2", "bamba", "nemotron_h",
+                     "falcon_h1"), "state-space or recurrent layers (only attention layers are served)"),
+    **dict.fromkeys(("bloom", "mpt"), "ALiBi position biases in its own attention code (outside transformers' "
+                                      "AttentionInterface)"),
+    **dict.fromkeys(("falcon", "openai-gpt"), "its own attention code (outside transformers' AttentionInterface)"),
+}
+"""Model families refused from their config alone, before anything else about them is read (the worker's start
+check, :mod:`ringstream.daemon.engine.checks`, would refuse them later for the same reason)."""
+
+
+def _refuse_kind(config: dict[str, Any], text: dict[str, Any], root: Path) -> None:
+    """ModelError when the config is not a decoder-only causal LM, or its family has a feature the engine does
+    not serve; the first thing said of such a model, before its context length or tokenizer."""
+    if config.get("is_encoder_decoder") or text.get("is_encoder_decoder"):
+        raise ModelError(f"model directory {root}: {config.get('model_type', 'the model')} is an encoder-decoder "
+                         "model; ringstream serves decoder-only causal LMs")
+    architectures = config.get("architectures") or []
+    if architectures and isinstance(architectures, list) and not any(
+            isinstance(name, str) and name.endswith(CAUSAL_LM_SUFFIXES) for name in architectures):
+        raise ModelError(f"model directory {root}: {', '.join(map(str, architectures))} is not a causal LM "
+                         "(ringstream serves models whose architecture ends in ForCausalLM or LMHeadModel)")
+    model_type = str(text.get("model_type") or config.get("model_type") or "")
+    reason = UNSUPPORTED_FAMILIES.get(model_type)
+    layer_types = text.get("layer_types")
+    if reason is None and isinstance(layer_types, list):
+        others = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention",
+                                                              "chunked_attention")}, key=str)
+        if others:
+            reason = f"layers of type {', '.join(map(str, others))} (only attention layers are served)"
+    if reason is None and text.get("kv_lora_rank"):
+        reason = "multi-head latent attention (kv_lora_rank)"
+    if reason is not None:
+        raise ModelError(f"model directory {root}: {model_type or 'the model'} cannot be served exactly: {reason}")
+
+
+def resolve_model_dir(path: str | Path | None, max_model_len: int | None = None) -> ModelInfo:
     """Validate a model directory and read its :class:`ModelInfo`.
 
     Args:
         path: model directory, or a Hugging Face model id (``org/name[@revision]``, :func:`hub_snapshot`) where
             no such directory exists; ``None`` selects :data:`DEFAULT_MODEL_DIR`.
+        max_model_len: the context length to serve when the config gives none (``--max-model-len``).
 
     Returns:
         The directory's :class:`ModelInfo`, with ``path`` made absolute.
 
     Raises:
-        ModelError: the directory does not exist, lacks ``config.json`` or
-            ``tokenizer.json``, holds malformed JSON, or its config has no
-            context length, vocabulary size or end-of-sequence id.
+        ModelError, in this order: the directory does not exist or lacks ``config.json``; the model is not a
+            decoder-only causal LM, or of a family the engine does not serve (:data:`UNSUPPORTED_FAMILIES`);
+            it lacks ``tokenizer.json``; its config has no context length (and ``max_model_len`` is None), no
+            vocabulary size or no end-of-sequence id; malformed JSON.
     """
     root = Path(DEFAULT_MODEL_DIR if path is None else path).expanduser().resolve()
     if not root.is_dir() and path is not None and HUB_ID.fullmatch(str(path)) and not Path(path).exists():
@@ -121,19 +162,24 @@ def resolve_model_dir(path: str | Path | None) -> ModelInfo:
     config_path = root / CONFIG_FILE
     if not config_path.is_file():
         raise ModelError(f"model directory {root} has no {CONFIG_FILE}")
+    full_config = _read_json(config_path)
+    config = _text_config(full_config)
+    _refuse_kind(full_config, config, root)
     if not (root / TOKENIZER_FILE).is_file():
         raise ModelError(
-            f"model directory {root} has no {TOKENIZER_FILE}; "
-            "ringstream needs a fast (tokenizers) tokenizer"
+            f"model directory {root} has no {TOKENIZER_FILE}; ringstream needs a fast (tokenizers) tokenizer: "
+            f"python -c 'from transformers import AutoTokenizer; AutoTokenizer.from_pretrained(\"{root}\")"
+            f".save_pretrained(\"{root}\")' writes one where transformers can convert the model's own"
         )
 
-    config = _text_config(_read_json(config_path))
     max_len = next((config[k] for k in MAX_LENGTH_KEYS if k in config), None)
     if not _is_positive_int(max_len):
-        raise ModelError(
-            f"{config_path} gives no positive context length "
-            f"(looked for {', '.join(MAX_LENGTH_KEYS)}, got {max_len!r})"
-        )
+        if max_model_len is None:
+            raise ModelError(
+                f"{config_path} gives no positive context length "
+                f"(looked for {', '.join(MAX_LENGTH_KEYS)}, got {max_len!r}); give one with --max-model-len"
+            )
+        max_len = max_model_len
     vocab_size = config.get("vocab_size")
     if not _is_positive_int(vocab_size):
         raise ModelError(f"{config_path} gives no positive vocab_size (got {vocab_size!r})")

@@ -199,7 +199,7 @@ class Front:
         rundir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.lock = InstanceLock(rundir / f"{config.instance}.lock")
         try:
-            self.model = resolve_model_dir(config.model)
+            self.model = resolve_model_dir(config.model, config.max_model_len)
             if config.max_model_len is not None:
                 if config.max_model_len > self.model.max_model_len:
                     raise ValueError(f"max_model_len = {config.max_model_len} exceeds the model's context of "

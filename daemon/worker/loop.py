@@ -214,7 +214,7 @@ class Worker:
         from ringstream.daemon.common.model_dir import check_tokenizer_vocab, load_tokenizer, resolve_model_dir
 
         config = self.spec.engine
-        info = resolve_model_dir(self.spec.model_path)
+        info = resolve_model_dir(self.spec.model_path, config.max_model_len)
         if config.backend == "synthetic":  # no torch: the synthetic engine starts in a fraction of a second
             from ringstream.daemon.engine.synthetic import SyntheticEngine
 

@@ -328,3 +328,37 @@ def test_a_cache_snapshot_is_served_under_its_hub_id():
 
     assert model_name("/c/hub/models--acme--tiny-chat/snapshots/" + "a" * 40) == "acme/tiny-chat"
     assert model_name("/srv/models/llama-3") == "llama-3"
+
+
+@pytest.mark.parametrize("config,words", [
+    ({"architectures": ["BertForMaskedLM"], "model_type": "bert", "vocab_size": 10,
+      "max_position_embeddings": 8}, "BertForMaskedLM is not a causal LM"),
+    ({"architectures": ["T5ForConditionalGeneration"], "model_type": "t5", "is_encoder_decoder": True,
+      "vocab_size": 10}, "encoder-decoder"),
+    ({"architectures": ["MambaForCausalLM"], "model_type": "mamba", "vocab_size": 10, "eos_token_id": 0},
+     "state-space"),
+    ({"architectures": ["BloomForCausalLM"], "model_type": "bloom", "vocab_size": 10, "eos_token_id": 0},
+     "ALiBi"),
+    ({"model_type": "qwen3_next", "layer_types": ["linear_attention", "full_attention"], "vocab_size": 10},
+     "linear_attention"),
+])
+def test_what_cannot_be_served_is_refused_for_its_real_reason_first(tmp_path, config, words):
+    # before the context length, the tokenizer or the EOS id is looked at (none of these has all three)
+    _write_model_dir(tmp_path, config)
+    (tmp_path / "tokenizer.json").unlink()
+    with pytest.raises(ModelError, match=words):
+        resolve_model_dir(tmp_path)
+
+
+def test_a_model_without_a_context_length_is_served_at_the_one_given(tmp_path):
+    _write_model_dir(tmp_path, {"vocab_size": 10, "eos_token_id": 1})
+    with pytest.raises(ModelError, match="give one with --max-model-len"):
+        resolve_model_dir(tmp_path)
+    assert resolve_model_dir(tmp_path, max_model_len=256).max_model_len == 256
+
+
+def test_a_missing_tokenizer_is_answered_with_what_writes_one(tmp_path):
+    _write_model_dir(tmp_path, {"vocab_size": 10, "max_position_embeddings": 8, "eos_token_id": 1})
+    (tmp_path / "tokenizer.json").unlink()
+    with pytest.raises(ModelError, match="save_pretrained"):
+        resolve_model_dir(tmp_path)

@@ -265,10 +265,12 @@ def test_served_through_the_daemons_loader(name, tokenizer, tmp_path):
                                                   (T.MptConfig, dict(d_model=32, n_heads=4, n_layers=2,
                                                                      max_seq_len=256))])
 def test_loaded_models_outside_attention_interface_are_refused_by_name(config_class, fields, tokenizer, tmp_path):
-    _model(config_class, fields).save_pretrained(tmp_path)
+    model = _model(config_class, fields)
+    model.save_pretrained(tmp_path)
     save_tokenizer(tokenizer, tmp_path)
-    model = load_model(resolve_model_dir(tmp_path))
-    with pytest.raises(ModelError, match=NO_ATTENTION_INTERFACE):
+    with pytest.raises(ModelError, match="ALiBi"):  # from the config, before anything loads
+        resolve_model_dir(tmp_path)
+    with pytest.raises(ModelError, match=NO_ATTENTION_INTERFACE):  # and by the engine's own check
         Engine(model, tokenizer, EngineConfig(max_num_seqs=2, block_size=4, num_blocks=200),
                         eos_token_ids=(1,))
 
