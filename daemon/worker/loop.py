@@ -174,7 +174,10 @@ class Worker:
         try:
             self.fault = FaultInjector.from_env(spec.index)
             self.engine = self._build_engine()
+            started = time.monotonic()
+            log.info("warming up and checking the engine against the model's own forward")
             self.engine.warmup()
+            log.info("warm-up and start check done in %.1f s", time.monotonic() - started)
             if self.fault is not None:
                 log.warning("test hook %s active: every %d-th engine step fails", FAULT_INJECT_ENV, self.fault.every)
                 self.engine.step = self.fault.wrap(self.engine.step)
@@ -222,11 +225,15 @@ class Worker:
                 max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len or info.max_model_len,
                 step_time_s=config.synthetic_step_s, vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
             )
+        started = time.monotonic()
+        log.info("started (pid %d); importing torch and transformers", os.getpid())
         import torch
         from transformers.utils import logging as hf_logging
 
         from ringstream.daemon.engine.engine import Engine
         from ringstream.daemon.engine.loader import load_model
+
+        log.info("imported in %.1f s", time.monotonic() - started)
 
         hf_logging.disable_progress_bar()
         tokenizer = load_tokenizer(info)
@@ -238,8 +245,16 @@ class Worker:
             raise RuntimeError(f"device {config.device} is not available on this host")
         else:  # this worker's GPU is the current one: a library's bare "cuda" opens no context on GPU 0
             torch.cuda.set_device(torch.device(config.device))
+        started = time.monotonic()
+        log.info("loading the weights of %s on %s as %s", info.path, config.device, config.dtype)
         model = load_model(info, device=config.device, dtype=config.dtype)
-        return Engine(model, tokenizer, config, eos_token_ids=info.eos_token_ids)
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        log.info("weights loaded in %.1f s (%.0f MiB); sizing the KV cache", time.monotonic() - started,
+                 weights / 2**20)
+        started = time.monotonic()
+        engine = Engine(model, tokenizer, config, eos_token_ids=info.eos_token_ids)
+        log.info("KV cache sized in %.1f s", time.monotonic() - started)
+        return engine
 
     def _report_ready(self) -> None:
         engine, spec = self.engine, self.spec
