@@ -265,8 +265,8 @@ def hub_snapshot(name: str) -> Path:
 
     Looked up in the hub cache (:func:`hub_cache_dir`, the layout ``huggingface_hub`` writes:
     ``models--org--name/snapshots/<commit>``); when it is not there and the host is not offline
-    (``HF_HUB_OFFLINE``), downloaded into it with ``huggingface_hub`` (the files of :data:`HUB_FILES`
-    only, with its progress bars).
+    (``HF_HUB_OFFLINE``), downloaded into it with ``huggingface_hub`` from ``HF_ENDPOINT`` (default: the
+    Hugging Face hub; the files of :data:`HUB_FILES` only, with its progress bars).
 
     Raises:
         ModelError: not cached and offline, or the download failed; the message gives the command that
@@ -290,7 +290,8 @@ def hub_snapshot(name: str) -> Path:
                          "to where it is)")
     log.info("%s is not in the Hugging Face cache %s: downloading it", name, cache)
     try:
-        return Path(snapshot_download(repo, revision=revision, cache_dir=cache, allow_patterns=list(HUB_FILES)))
+        return Path(snapshot_download(repo, revision=revision, cache_dir=cache, allow_patterns=list(HUB_FILES),
+                                      endpoint=os.environ.get("HF_ENDPOINT") or None))
     except Exception as exc:  # network, unknown repo or revision, gated repo: huggingface_hub's own message
         raise ModelError(f"{name} is not in the Hugging Face cache {cache} and cannot be downloaded "
                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); fetch it "

@@ -362,3 +362,30 @@ def test_a_missing_tokenizer_is_answered_with_what_writes_one(tmp_path):
     (tmp_path / "tokenizer.json").unlink()
     with pytest.raises(ModelError, match="save_pretrained"):
         resolve_model_dir(tmp_path)
+
+
+def test_a_hub_model_not_cached_is_downloaded_with_a_causal_lms_files_only(tmp_path, monkeypatch):
+    from tests.daemon.hub_standin import hub_standin
+
+    files = {name: (DEFAULT_MODEL_DIR / name).read_bytes()
+             for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                          "model.safetensors")}
+    files |= {"pytorch_model.bin": b"pickled weights", "README.md": b"# tiny"}
+    import huggingface_hub.constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    # huggingface_hub reads HF_HUB_OFFLINE once, at its import: an earlier test's offline setting stays there
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    with hub_standin("acme/tiny", files) as (endpoint, requests):
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        info = resolve_model_dir("acme/tiny")
+        assert info.path == (tmp_path / "cache" / "models--acme--tiny" / "snapshots" / ("c" * 40)).resolve()
+        assert sorted(p.name for p in info.path.iterdir()) == sorted(set(files) - {"pytorch_model.bin",
+                                                                                   "README.md"})
+        assert not any(path.endswith((".bin", ".md")) for _, path in requests)
+        with pytest.raises(ModelError, match=r"acme/nope .* cannot be downloaded .*hf download acme/nope"):
+            resolve_model_dir("acme/nope")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # from the cache now, the stand-in gone
+    assert resolve_model_dir("acme/tiny").path == info.path
