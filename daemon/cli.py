@@ -14,6 +14,8 @@ from ringstream.ipc.address import SOCKET_ENV, SYSTEMD_SOCKET, check_address
 from ringstream.ipc.client import DEFAULT_TIMEOUT_S, GENERATE_DEFAULTS
 from ringstream.ipc.protocol import to_dict
 
+API_KEY_ENV = "RINGSTREAM_API_KEY"
+"""The environment variable ``serve --api-key`` defaults to (vLLM's ``VLLM_API_KEY``)."""
 STDIN_PROMPT = "-"
 """The PROMPT argument that means: read the prompt from standard input."""
 STATUS_TIMEOUT_S = 5.0
@@ -64,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, metavar="PORT", help="shorthand for --http 127.0.0.1:PORT")
     serve.add_argument("--http-unix", metavar="PATH", help="serve the HTTP API on this unix socket (mode 0600)")
     serve.add_argument("--api-key-file", metavar="FILE", help="bearer token HTTP clients must send")
+    serve.add_argument("--api-key", metavar="KEY", default=os.environ.get(API_KEY_ENV) or None,
+                       help=f"the bearer token itself (default: ${API_KEY_ENV}); other users may read a command "
+                            "line: --api-key-file is safer")
     serve.add_argument("--served-model-name", help="the model's name in the HTTP API (default: its directory's)")
     serve.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json", "none"],
                        help="the call format the HTTP API's tool_choice auto reads (default auto: from the chat "
@@ -236,7 +241,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_concurrency=args.max_concurrency, queue_size=args.queue_size, log_level=args.log_level,
         max_model_len=args.max_model_len, block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
-        http=args.http, http_unix=args.http_unix, api_key_file=args.api_key_file,
+        http=args.http, http_unix=args.http_unix, api_key_file=args.api_key_file, api_key=args.api_key,
         served_model_name=args.served_model_name, tool_call_parser=args.tool_call_parser,
         http_unknown_fields=args.http_unknown_fields, kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint, kv_events_topic=args.kv_events_topic,

@@ -131,6 +131,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     (``ringstream: http``); None = no HTTP server. A host that is not loopback needs ``api_key_file``."""
     http_unix: str | None = None
     """Also (or only) serve the HTTP API on this unix socket path (mode 0600)."""
+    api_key: str | None = None
+    """The bearer token HTTP clients must send, inline (``serve --api-key`` or ``$RINGSTREAM_API_KEY``; a file
+    of it is safer: ``api_key_file``). Not both."""
     api_key_file: str | None = None
     """File holding the bearer token HTTP clients must send (``Authorization: Bearer KEY``)."""
     served_model_name: str | None = None
@@ -213,12 +216,16 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 host, _ = parse_listen(self.http)
             except ValueError:
                 raise ValueError(f"http = {self.http!r}: use HOST:PORT (e.g. 127.0.0.1:8000)") from None
-            if not is_loopback_host(host) and self.api_key_file is None:
+            if not is_loopback_host(host) and self.api_key_file is None and self.api_key is None:
                 raise ValueError(f"http = {self.http!r}: a host that is not loopback needs api_key_file "
                                  "(HTTP clients then send Authorization: Bearer KEY)")
         if self.http_unix is not None and not self.http_unix:
             raise ValueError("http_unix: empty path")
-        for name in ("api_key_file", "served_model_name"):
+        if self.api_key is not None and self.api_key_file is not None:
+            raise ValueError("api_key and api_key_file: give one of them")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key: empty")
+        for name in ("api_key", "api_key_file", "served_model_name"):
             if getattr(self, name) is not None and self.http is None and self.http_unix is None:
                 raise ValueError(f"{name} is set but no HTTP server is: give http (HOST:PORT) or http_unix")
         if self.served_model_name is not None and not 1 <= len(self.served_model_name) <= 256:

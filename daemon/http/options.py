@@ -70,6 +70,7 @@ class HttpOptions:
         listen: ``HOST:PORT`` to bind, or None (a unix socket only, or a socket handed over by the front).
         unix_path: a unix socket path to listen on too (mode 0600), or None.
         api_key_file: the bearer-token file, or None (then only loopback addresses may be bound).
+        api_key: the bearer token itself (instead of ``api_key_file``), or None.
         model_name: the model's name in the API; None = its directory's name.
         chat_template: a Jinja chat template file used instead of the model's, or None.
         max_body_bytes: largest request body (413 beyond).
@@ -84,6 +85,7 @@ class HttpOptions:
     listen: str | None = DEFAULT_LISTEN
     unix_path: str | None = None
     api_key_file: str | None = None
+    api_key: str | None = None
     model_name: str | None = None
     chat_template: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
@@ -103,6 +105,6 @@ class HttpOptions:
         """The options of the HTTP child of a daemon with ``config`` (a Config): the front binds the TCP address
         and hands the socket over, so ``listen`` is None."""
         return cls(socket_address=config.address(), listen=None, unix_path=config.http_unix,
-                   api_key_file=config.api_key_file, model_name=config.served_model_name,
+                   api_key_file=config.api_key_file, api_key=config.api_key, model_name=config.served_model_name,
                    shutdown_grace_s=config.drain_timeout_s, tool_call_parser=config.tool_call_parser,
                    unknown_fields=config.http_unknown_fields)

@@ -77,7 +77,7 @@ class HttpServer:
         self.options = options
         self.sock = sock
         self.tcp = parse_listen(options.listen) if options.listen is not None and sock is None else None
-        self.api_key = read_api_key(options.api_key_file) if options.api_key_file is not None else None
+        self.api_key = read_api_key(options.api_key_file) if options.api_key_file is not None else options.api_key
         check_listen_auth(self.tcp[0] if self.tcp else sock.getsockname()[0] if sock else None, self.api_key)
         self.unix_path = options.unix_path
         self.shutdown_grace_s = options.shutdown_grace_s

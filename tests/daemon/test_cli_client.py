@@ -183,3 +183,8 @@ def test_the_serve_flags_people_reach_for_become_settings(monkeypatch):
     assert (config.http, config.dtype, config.max_num_seqs, config.memory_utilization, config.served_model_name) == (
         "127.0.0.1:8123", "bfloat16", 8, 0.5, "m")
     assert cli.main(["serve", "--port", "1", "--http", "127.0.0.1:2"]) == 2
+    monkeypatch.setenv(cli.API_KEY_ENV, "from-env")
+    assert cli.main(["serve", "--http", "0.0.0.0:8123"]) == 0  # a key (here from the environment) allows it
+    assert seen["config"].api_key == "from-env"
+    assert cli.main(["serve", "--api-key", "k", "--port", "1"]) == 0 and seen["config"].api_key == "k"
+    assert cli.main(["serve", "--api-key", "k", "--api-key-file", "/etc/key", "--port", "1"]) == 2

@@ -123,10 +123,11 @@ def requests_get(url: str) -> tuple[int, bytes]:
 
 @pytest.mark.e2e
 def test_sigterm_finishes_the_http_stream_in_flight_then_stops(tmp_path):
-    with running_daemon(tmp_path, *STEP_ARGS, "--http", "127.0.0.1:0") as daemon:
+    with running_daemon(tmp_path, *STEP_ARGS, "--http", "127.0.0.1:0", "--api-key", "s3cret") as daemon:
         url = http_url(daemon)
         child = http_pid(daemon)
-        with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30) as api:
+        assert get(url + "/v1/models")[0] == 401  # the inline key guards the API; /health stays open
+        with openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0, timeout=30) as api:
             stream = api.completions.create(model=MODEL, prompt="x", max_tokens=80, stream=True,
                                             extra_body={"ignore_eos": True})
             texts = [next(stream).choices[0].text]
