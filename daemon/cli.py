@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "template)")
     serve.add_argument("--http-unknown-fields", choices=["error", "warn"],
                        help="an unknown HTTP request field: error (400 naming it, default) or warn (logged, served)")
+    serve.add_argument("--http-access-log", action="store_true", default=None,
+                       help="log one line per HTTP request (client, request line, status, bytes, seconds)")
     serve.add_argument("--kv-events", dest="kv_events_endpoint", metavar="ENDPOINT",
                        help="publish KV-cache events in vLLM's format on a ZeroMQ PUB socket bound here "
                             "(tcp://HOST:PORT, worker i on PORT+i), for KV-aware routers")
@@ -243,7 +245,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
         http=args.http, http_unix=args.http_unix, api_key_file=args.api_key_file, api_key=args.api_key,
         served_model_name=args.served_model_name, tool_call_parser=args.tool_call_parser,
-        http_unknown_fields=args.http_unknown_fields, kv_events_endpoint=args.kv_events_endpoint,
+        http_unknown_fields=args.http_unknown_fields, http_access_log=args.http_access_log,
+        kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint, kv_events_topic=args.kv_events_topic,
     )
     overrides |= dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, memory_utilization=args.memory_utilization)

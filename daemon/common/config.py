@@ -144,6 +144,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     http_unknown_fields: Literal["error", "warn"] = "error"
     """A request field the HTTP API does not know: ``error`` answers 400 naming it (OpenAI's behaviour), ``warn``
     logs it and serves the request (vLLM's)."""
+    http_access_log: bool = False
+    """Log one line per HTTP request (client, request line, status, bytes, seconds, user agent)."""
     kv_events_endpoint: str | None = None
     """Publish KV-cache events (blocks stored in and evicted from the prefix cache) in vLLM's format on a ZeroMQ
     PUB socket bound here, ``tcp://HOST:PORT`` (``*`` for every interface) or ``ipc://PATH``, for KV-aware

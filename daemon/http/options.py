@@ -79,6 +79,8 @@ class HttpOptions:
         tool_call_parser: the call format ``tool_choice`` auto reads: ``auto`` (from the chat template),
             ``hermes``, ``llama3_json`` or ``none``.
         unknown_fields: ``error`` (400 naming an unknown request field) or ``warn`` (logged, served).
+        access_log: log one line per request (logger ``ringstream.http.access``: client, request line, status,
+            bytes, seconds, user agent; never a header's credentials).
     """
 
     socket_address: str | None = None
@@ -93,6 +95,7 @@ class HttpOptions:
     limits: HttpLimits = field(default_factory=HttpLimits)
     tool_call_parser: str = "auto"
     unknown_fields: str = "error"
+    access_log: bool = False
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -107,4 +110,4 @@ class HttpOptions:
         return cls(socket_address=config.address(), listen=None, unix_path=config.http_unix,
                    api_key_file=config.api_key_file, api_key=config.api_key, model_name=config.served_model_name,
                    shutdown_grace_s=config.drain_timeout_s, tool_call_parser=config.tool_call_parser,
-                   unknown_fields=config.http_unknown_fields)
+                   unknown_fields=config.http_unknown_fields, access_log=config.http_access_log)

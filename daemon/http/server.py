@@ -103,7 +103,9 @@ class HttpServer:
                       tool_call_parser=options.tool_call_parser, unknown_fields=options.unknown_fields)
         # handler_cancellation: a client that disconnects cancels its handler, which cancels its daemon requests
         # (also a non-streaming one: aiohttp >= 3.9 cancels handlers on disconnect only when asked to)
-        self._runner = web.AppRunner(api.app, handler_cancellation=True, access_log=None,
+        access = dict(access_log=logging.getLogger("ringstream.http.access"), access_log_format=ACCESS_LOG_FORMAT) \
+            if options.access_log else dict(access_log=None)
+        self._runner = web.AppRunner(api.app, handler_cancellation=True, **access,
                                      shutdown_timeout=self.shutdown_grace_s, **self.limits.handler_args())
         try:
             self.cap = ConnectionCap(fit_open_files(self.limits.max_connections))
@@ -213,7 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--unknown-fields", default="error", choices=UNKNOWN_FIELDS,
                         help="an unknown request field: error (400 naming it, OpenAI's) or warn (logged, served)")
     parser.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--access-log", action="store_true", help="log one line per request")
     return parser
+
+
+ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tfs "%{User-Agent}i"'
+"""One access-log line (aiohttp's format codes): client address, request line, status, response bytes, seconds,
+user agent."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                               api_key_file=args.api_key_file, model_name=args.served_model_name,
                               chat_template=args.chat_template, max_body_bytes=args.max_body_bytes,
                               shutdown_grace_s=args.shutdown_grace, limits=limits,
-                              tool_call_parser=args.tool_call_parser, unknown_fields=args.unknown_fields)
+                              tool_call_parser=args.tool_call_parser, unknown_fields=args.unknown_fields,
+                              access_log=args.access_log)
         uvloop.run(run_http_server(options, print_ready=True))
     except ConfigError as exc:
         print(f"ringstream http: {exc}", file=sys.stderr)

@@ -123,10 +123,15 @@ def requests_get(url: str) -> tuple[int, bytes]:
 
 @pytest.mark.e2e
 def test_sigterm_finishes_the_http_stream_in_flight_then_stops(tmp_path):
-    with running_daemon(tmp_path, *STEP_ARGS, "--http", "127.0.0.1:0", "--api-key", "s3cret") as daemon:
+    with running_daemon(tmp_path, *STEP_ARGS, "--http", "127.0.0.1:0", "--api-key", "s3cret",
+                        "--http-access-log") as daemon:
         url = http_url(daemon)
         child = http_pid(daemon)
         assert get(url + "/v1/models")[0] == 401  # the inline key guards the API; /health stays open
+        deadline = time.monotonic() + WAIT_S
+        while '"GET /v1/models HTTP/1.1" 401' not in daemon.log():  # the access log's line for it
+            assert time.monotonic() < deadline, daemon.log_tail()
+            time.sleep(0.05)
         with openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0, timeout=30) as api:
             stream = api.completions.create(model=MODEL, prompt="x", max_tokens=80, stream=True,
                                             extra_body={"ignore_eos": True})
