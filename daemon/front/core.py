@@ -70,6 +70,7 @@ class FrontCore:
         self.clock = clock
         self.metrics = metrics or Metrics()
         self.state = DaemonState.STARTING
+        self._noted_early = False
         self.started = clock()
         self.exit_code = 0
         self.clients = ClientTable()
@@ -101,6 +102,11 @@ class FrontCore:
                                         message="displaced from the full queue by a more urgent request"))
         self.clients.add(req, connection, self.clock())
         self.by_handle[req.handle] = req
+        if self.state == DaemonState.STARTING and not self._noted_early:
+            self._noted_early = True  # once a start: every request then waits the same way
+            log.info("starting: requests wait in the queue until a worker is ready (bounded by their "
+                     "queue_timeout_s, %s by default)", f"{self.config.queue_timeout_s:g} s"
+                     if self.config.queue_timeout_s else "no bound")
         self.metrics.admitted.inc()
         self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
         self._start_timers(req)

@@ -168,6 +168,9 @@ class HttpApi:
             log.warning("chat template: %s", exc)
         served = ServedModel(self.model_name or model_name(status.model), status.model,
                              min(lens) if lens else None, template, error, status.accepts_messages)
+        if not lens and not status.ready:  # before the first worker is ready: a client retries after the load
+            raise S.unavailable("the inference daemon is starting: its workers are loading the model",
+                                "starting")
         if lens:  # kept once a worker has reported its context length (before that, asked again next time)
             self._model = served
         return served

@@ -180,3 +180,19 @@ def test_http_settings_are_checked():
         with pytest.raises(ValueError, match=message):
             load_config(None, **bad)
     assert load_config(None, http="0.0.0.0:8000", api_key_file="k").api_key_file == "k"
+
+
+@pytest.mark.e2e
+def test_requests_before_the_workers_are_ready_get_503_over_http_and_wait_over_zeromq(tmp_path):
+    # the built-in model's worker takes seconds to import torch and load: the HTTP child is up long before
+    import concurrent.futures
+
+    with running_daemon(tmp_path, "--devices", "cpu", "--http", "127.0.0.1:0", ready=False) as daemon:
+        url = http_url(daemon)
+        status, headers, body = get(url + "/v1/models")
+        assert status == 503 and json.loads(body)["error"]["code"] == "starting" and headers["Retry-After"]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool, Client(daemon.address) as client:
+            early = pool.submit(client.complete, prompt_token_ids=[5, 6, 7], max_tokens=2, ignore_eos=True)
+            assert early.result(timeout=120).usage.completion_tokens == 2  # it waited for the worker
+        assert "starting: requests wait in the queue until a worker is ready" in daemon.log()
+        assert get(url + "/v1/models")[0] == 200
