@@ -54,6 +54,16 @@ PAGED_ATTENTION = "ringstream_paged"
 """Name under which :func:`paged_attention` is registered with transformers' ``AttentionInterface``."""
 
 
+class _Step:
+    """The metadata of the engine step being computed, for layers that do not pass ``paged=`` on (set by
+    :mod:`ringstream.daemon.engine.model_runner` around each forward; None outside one)."""
+
+    metadata: AttentionMetadata | None = None
+
+
+STEP = _Step()
+
+
 def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                     *, paged: AttentionMetadata | None = None, **kwargs) -> tuple[torch.Tensor, None]:
@@ -74,6 +84,10 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     Returns:
         ``([1, N, heads, value_dim], None)``.
     """
+    if paged is None and key.dim() == 3:
+        # the keys are the pool's (the engine's cache answered): an engine step whose layers do not hand their
+        # keyword arguments on to the attention (StableLM's decoder layer drops them) still has its metadata
+        paged = STEP.metadata
     if paged is None:
         return dense_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     _, heads, num_tokens, head_dim = query.shape

@@ -51,6 +51,18 @@ alone through the engine with that token budget; the logits (float32, ``[sampled
 position it sampled, and the sliding windows its attention calls were given."""
 
 
+def routes_attention(model) -> bool:
+    """Whether the model's layers call their attention through transformers' ``AttentionInterface``
+    (``ALL_ATTENTION_FUNCTIONS``), where the engine's paged attention takes over: its class says so
+    (``_supports_attention_backend``), or its modeling module looks the function up there though the class
+    does not claim it (StableLM in transformers 5). Either way :func:`check_against_model` then compares the
+    engine's logits with the model's own forward before anything is served."""
+    if getattr(type(model), "_supports_attention_backend", False):
+        return True
+    module = sys.modules.get(type(model).__module__)
+    return module is not None and hasattr(module, "ALL_ATTENTION_FUNCTIONS")
+
+
 def check_servable(model, config, max_model_len: int | None, max_num_batched_tokens: int) -> None:
     """Refuse a model the engine cannot serve exactly, from its class and text ``config``.
 
@@ -61,7 +73,7 @@ def check_servable(model, config, max_model_len: int | None, max_num_batched_tok
     """
     max_positions = getattr(config, "max_position_embeddings", None)
     problem = unsupported_feature(config, max_model_len or sys.maxsize, max_num_batched_tokens)
-    if problem is None and not getattr(type(model), "_supports_attention_backend", False):
+    if problem is None and not routes_attention(model):
         problem = ("it does not route its attention through transformers' AttentionInterface (its layers run "
                    "their own attention and cache code)")
     if problem is None and not isinstance(max_positions, int):

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ringstream.daemon.engine.attention import STEP
 from ringstream.daemon.engine.kv_cache import AttentionMetadata, DecodeGroup, PagedKVCache
 
 __all__ = ["CudaGraphRunner", "DecodeBuffers", "DecodeInputs", "bucket_for", "graph_batch_sizes"]
@@ -248,9 +249,13 @@ class CudaGraphRunner:
         buf = self.buffers
         meta = buf.metadata(bucket)
         self.cache.slot_mapping = meta.slot_mapping
-        out = self.model(input_ids=buf.input_ids[:bucket].unsqueeze(0),
-                         position_ids=buf.positions[:bucket].unsqueeze(0), use_cache=True, logits_to_keep=0,
-                         paged=meta, **{self.cache_kwarg: self.cache})
+        STEP.metadata = meta  # for layers that do not pass paged= on (attention.STEP)
+        try:
+            out = self.model(input_ids=buf.input_ids[:bucket].unsqueeze(0),
+                             position_ids=buf.positions[:bucket].unsqueeze(0), use_cache=True, logits_to_keep=0,
+                             paged=meta, **{self.cache_kwarg: self.cache})
+        finally:
+            STEP.metadata = None
         return out.logits[0]
 
     def run(self, inputs: DecodeInputs) -> torch.Tensor | None:

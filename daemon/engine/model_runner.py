@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ringstream.daemon.engine.attention import STEP
 from ringstream.daemon.engine.block_manager import BlockManager
 from ringstream.daemon.engine.device_io import to_device, to_host
 from ringstream.daemon.engine.scheduler import SequenceState
@@ -211,14 +212,18 @@ class ModelRunner:
         if self.captured is not None:
             meta.seen_windows = self.seen_windows
         self.cache.slot_mapping = meta.slot_mapping
-        out = self.model(
-            input_ids=to_device([inputs.input_ids], torch.long, device),
-            position_ids=to_device([inputs.positions], torch.long, device),
-            use_cache=True,
-            logits_to_keep=to_device(inputs.rows, torch.long, device),
-            paged=meta,
-            **{self.cache_kwarg: self.cache},
-        )
+        STEP.metadata = meta
+        try:
+            out = self.model(
+                input_ids=to_device([inputs.input_ids], torch.long, device),
+                position_ids=to_device([inputs.positions], torch.long, device),
+                use_cache=True,
+                logits_to_keep=to_device(inputs.rows, torch.long, device),
+                paged=meta,
+                **{self.cache_kwarg: self.cache},
+            )
+        finally:
+            STEP.metadata = None
         return out.logits[0]
 
     def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> StepResult:

@@ -60,6 +60,9 @@ EXACT = {
     "starcoder2 (sliding window)": (T.Starcoder2Config, dict(sliding_window=WINDOW), "sdpa"),
     "cohere": (T.CohereConfig, {}, "sdpa"),
     "gpt_oss (attention sinks, sliding window, MoE)": (T.GptOssConfig, dict(sliding_window=WINDOW, **MOE), "eager"),
+    "stablelm (partial rotary, qk layernorm)": (T.StableLmConfig, dict(partial_rotary_factor=0.5, qk_layernorm=True,
+                                                                      num_key_value_heads=4), "sdpa"),
+    "stablelm (parallel residual)": (T.StableLmConfig, dict(use_parallel_residual=True), "sdpa"),
     "opt": (T.OPTConfig, dict(ffn_dim=64, word_embed_proj_dim=32, num_key_value_heads=None, head_dim=None), "sdpa"),
     # Length-dependent RoPE is fixed at max_model_len (daemon.rope); within the original context both equal
     # generate(). Beyond it: test_length_dependent_rope_is_fixed_once_for_every_request.
