@@ -69,7 +69,7 @@ def test_a_gpu_worker_makes_its_device_current_before_loading(monkeypatch):
     worker = Worker.__new__(Worker)
     worker.spec = SimpleNamespace(model_path=str(DEFAULT_MODEL_DIR),
                                   engine=SimpleNamespace(backend="paged", device="cuda:1", threads=0,
-                                                         dtype="auto"))
+                                                         dtype="auto", max_model_len=None))
     with pytest.raises(Loaded):
         worker._build_engine()
     assert events == [("set_device", "cuda:1"), ("load", "cuda:1")]
