@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--synthetic-step-ms", type=float, help="step time of the synthetic engine (default 1 ms)")
     serve.add_argument("--metrics-port", type=int, help="Prometheus exporter port on 127.0.0.1 (default: off)")
     serve.add_argument("--http", metavar="HOST:PORT", help="also serve the OpenAI-compatible HTTP API there "
-                       "(a child process; a host that is not loopback needs --api-key-file)")
+                       "(a child process; a host that is not loopback needs --api-key-file or --api-key)")
     serve.add_argument("--port", type=int, metavar="PORT", help="shorthand for --http 127.0.0.1:PORT")
     serve.add_argument("--http-unix", metavar="PATH", help="serve the HTTP API on this unix socket (mode 0600)")
     serve.add_argument("--api-key-file", metavar="FILE", help="bearer token HTTP clients must send")
@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--http-unknown-fields", choices=["error", "warn"],
                        help="an unknown HTTP request field: error (400 naming it, default) or warn (logged, served)")
     serve.add_argument("--http-access-log", action="store_true", default=None,
-                       help="log one line per HTTP request (client, request line, status, bytes, seconds)")
+                       help="log one line per HTTP request (client, request line, status, response bytes with "
+                            "headers, seconds, user agent)")
     serve.add_argument("--kv-events", dest="kv_events_endpoint", metavar="ENDPOINT",
                        help="publish KV-cache events in vLLM's format on a ZeroMQ PUB socket bound here "
                             "(tcp://HOST:PORT, worker i on PORT+i), for KV-aware routers")

@@ -219,8 +219,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             except ValueError:
                 raise ValueError(f"http = {self.http!r}: use HOST:PORT (e.g. 127.0.0.1:8000)") from None
             if not is_loopback_host(host) and self.api_key_file is None and self.api_key is None:
-                raise ValueError(f"http = {self.http!r}: a host that is not loopback needs api_key_file "
-                                 "(HTTP clients then send Authorization: Bearer KEY)")
+                raise ValueError(f"http = {self.http!r}: a host that is not loopback needs an API key: "
+                                 "api_key_file or api_key (serve --api-key-file FILE or --api-key KEY); HTTP "
+                                 "clients then send Authorization: Bearer KEY")
         if self.http_unix is not None and not self.http_unix:
             raise ValueError("http_unix: empty path")
         if self.api_key is not None and self.api_key_file is not None:

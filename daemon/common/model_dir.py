@@ -286,8 +286,9 @@ def hub_snapshot(name: str) -> Path:
         pass
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
         raise ModelError(f"{name} is not in the Hugging Face cache {cache} and HF_HUB_OFFLINE is set; fetch it "
-                         f"on a host with network with: {fetch} (then copy {cache} over, or set HF_HUB_CACHE "
-                         "to where it is)")
+                         f"on a host with network with: {fetch} (then copy that host's {cache} to this one's, or "
+                         "set HF_HUB_CACHE to where the copy is; a gated model also needs hf auth login or "
+                         "HF_TOKEN there)")
     log.info("%s is not in the Hugging Face cache %s: downloading it", name, cache)
     try:
         return Path(snapshot_download(repo, revision=revision, cache_dir=cache, allow_patterns=list(HUB_FILES),

@@ -413,7 +413,11 @@ class FrontCore:
             return
         if self.state not in (DaemonState.STARTING, DaemonState.SERVING):
             return
-        log.info("stopping: draining running streams (up to %.0f s)", self.config.drain_timeout_s)
+        if self.state == DaemonState.STARTING:
+            log.info("stopping during the start: the workers are told to stop (no stream to drain)")
+        else:
+            log.info("stopping: draining %d running stream(s) (up to %.0f s)", self.scheduler.num_running,
+                     self.config.drain_timeout_s)
         self.exit_code = self.exit_code or exit_code
         self.ports.stopping()
         self.outbox.watch_lag()

@@ -47,7 +47,9 @@ from ringstream.daemon.http.options import HttpOptions
 from ringstream.daemon.common.listen import read_api_key
 from ringstream.daemon.front.intake import Intake
 from ringstream.daemon.front.metrics import Metrics
-from ringstream.daemon.common.model_dir import ModelInfo, check_tokenizer_vocab, load_tokenizer, resolve_model_dir
+from ringstream.daemon.common.model_dir import (
+    ModelInfo, check_tokenizer_vocab, load_tokenizer, model_name, resolve_model_dir,
+)
 from ringstream.daemon.front.notify import Notifier, WatchdogGate
 from ringstream.daemon.front.ports import SendResult
 from ringstream.daemon.front.request import DaemonState
@@ -235,7 +237,9 @@ class Front:
         self.pool.start()
         if self.http is not None:
             self.http.start()
-        log.info("listening on %s; model %s; %d worker(s) on %s", address, self.model.path, len(self.devices),
+        name = model_name(self.model.path)
+        log.info("listening on %s; model %s; %d worker(s) on %s", address,
+                 self.model.path if name == self.model.path.name else f"{name} ({self.model.path})", len(self.devices),
                  ",".join(self.devices))
 
     def _http_child(self) -> HttpChild:

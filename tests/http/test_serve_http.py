@@ -174,7 +174,7 @@ def test_http_settings_are_checked():
     from ringstream.daemon.common.config import load_config
     assert load_config(None, http="127.0.0.1:8000").serves_http and not load_config(None).serves_http
     assert load_config(None, http="[::1]:8000", served_model_name="m").http == "[::1]:8000"
-    for bad, message in ((dict(http="0.0.0.0:8000"), "needs api_key_file"), (dict(http="8000"), "HOST:PORT"),
+    for bad, message in ((dict(http="0.0.0.0:8000"), "needs an API key: api_key_file or api_key"), (dict(http="8000"), "HOST:PORT"),
                          (dict(http="localhost:99999"), "HOST:PORT"), (dict(http="[]:8000", api_key_file="k"), "HOST:PORT"),
                          (dict(api_key_file="k"), "no HTTP server")):
         with pytest.raises(ValueError, match=message):
