@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default 64)")
     serve.add_argument("--memory-utilization", type=float, help="fraction of the memory left after the weights "
                        "that a worker's KV pool may take (default 0.85)")
-    serve.add_argument("--max-concurrency", type=int, help="running requests per worker")
+    serve.add_argument("--max-concurrency", type=int, help="running requests per worker (default 64, at most "
+                       "--max-num-seqs)")
     serve.add_argument("--max-model-len", type=int, help="most prompt + output tokens per request "
                        "(default: the model's context)")
     serve.add_argument("--block-size", type=int, help="token positions per KV-cache block (default 16)")
@@ -100,8 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-batched-tokens", type=int, help="new tokens per engine step (default 2048)")
     serve.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
                        help="do not reuse the KV blocks of common prompt prefixes")
-    serve.add_argument("--queue-size", type=int, help="waiting requests at most")
-    serve.add_argument("--log-level", type=str.lower, choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--queue-size", type=int, help="waiting requests at most (default 10000)")
+    serve.add_argument("--log-level", type=str.lower, choices=["debug", "info", "warning", "error"],
+                       help="the daemon's log level (default info)")
 
     gen = sub.add_parser("generate", formatter_class=defaults, help="stream one generation to stdout")
     _add_address(gen)
