@@ -70,7 +70,6 @@ class FrontCore:
         self.clock = clock
         self.metrics = metrics or Metrics()
         self.state = DaemonState.STARTING
-        self._noted_early = False
         self.started = clock()
         self.exit_code = 0
         self.clients = ClientTable()
@@ -102,11 +101,7 @@ class FrontCore:
                                         message="displaced from the full queue by a more urgent request"))
         self.clients.add(req, connection, self.clock())
         self.by_handle[req.handle] = req
-        if self.state == DaemonState.STARTING and not self._noted_early:
-            self._noted_early = True  # once a start: every request then waits the same way
-            log.info("starting: requests wait in the queue until a worker is ready (bounded by their "
-                     "queue_timeout_s, %s by default)", f"{self.config.queue_timeout_s:g} s"
-                     if self.config.queue_timeout_s else "no bound")
+        _note_waiting_for_workers(self)
         self.metrics.admitted.inc()
         self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
         self._start_timers(req)
@@ -413,11 +408,7 @@ class FrontCore:
             return
         if self.state not in (DaemonState.STARTING, DaemonState.SERVING):
             return
-        if self.state == DaemonState.STARTING:
-            log.info("stopping during the start: the workers are told to stop (no stream to drain)")
-        else:
-            log.info("stopping: draining %d running stream(s) (up to %.0f s)", self.scheduler.num_running,
-                     self.config.drain_timeout_s)
+        log.info("stopping: draining %d stream(s) (up to %.0f s)", self.scheduler.num_running, self.config.drain_timeout_s)
         self.exit_code = self.exit_code or exit_code
         self.ports.stopping()
         self.outbox.watch_lag()
@@ -493,3 +484,12 @@ def add_prompt_logprobs(req: Request, rec) -> None:
     if rec.seq == 1 or req.prompt_logprobs is None:
         req.prompt_logprobs = [None]
     req.prompt_logprobs += entries
+
+
+def _note_waiting_for_workers(core: FrontCore) -> None:
+    """During the start, for the first request admitted: log that requests wait in the queue for a worker."""
+    if core.state != DaemonState.STARTING or len(core.by_handle) != 1:
+        return
+    bound = f"{core.config.queue_timeout_s:g} s" if core.config.queue_timeout_s else "no bound"
+    log.info("starting: requests wait in the queue until a worker is ready (bounded by their queue_timeout_s, "
+             "%s by default)", bound)

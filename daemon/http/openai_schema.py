@@ -31,6 +31,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from ringstream.daemon.http import tools as T
+from ringstream.daemon.http.noop_fields import ANY, NOOP_VALUES
 from ringstream.ipc import protocol as P
 from ringstream.ipc.errors import (
     DaemonUnavailable, InvalidRequest, PromptTooLong, QueueFull, QueueTimeout, RingstreamError, ShuttingDown,
@@ -370,34 +371,11 @@ def _unknown_fields(body: bytes, kind: type[_Sampling]) -> list[str]:
     return [name for name in names if name not in kind.__struct_fields__]
 
 
-_ANY = object()
-NOOP_VALUES: dict[str, tuple] = {
-    # vLLM's extensions, at the values that leave the output as the daemon makes it
-    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "include_stop_str_in_output": (False,),
-    "use_beam_search": (False,), "length_penalty": (1, 1.0), "return_tokens_as_token_ids": (False,),
-    "return_token_ids": (False,), "truncate_prompt_tokens": (), "allowed_token_ids": (), "bad_words": ((), []),
-    "logits_processors": (), "cache_salt": (), "kv_transfer_params": (), "vllm_xargs": (),
-    # what vllm-router's typed requests add (SGLang's names)
-    "no_stop_trim": (False,), "return_hidden_states": (False,), "stream_reasoning": (True,),
-    "separate_reasoning": (True,), "include_reasoning": (True,), "lora_path": (), "regex": (), "ebnf": (),
-    "session_params": (), "continue_final_message": (False,),
-    # OpenAI's that do not shape the output, and those that do (served at null only)
-    "store": (False,), "metadata": (_ANY,), "service_tier": ("auto", "default"), "safety_identifier": (_ANY,),
-    "prompt_cache_key": (_ANY,), "modalities": (["text"],), "reasoning_effort": (), "verbosity": (), "audio": (),
-    "prediction": (), "web_search_options": (),
-}
-"""Fields known to the API whose other values the daemon does not serve: each is accepted null or at one of these
-values (the no-op ones: ``skip_special_tokens`` true is what the daemon does; ``_ANY``: a tag that changes no
-output), else a 400 naming it. Routers (vllm-router re-serialises every chat request with ``no_stop_trim``,
-``separate_reasoning``... at their defaults) and SDKs send them; refusing their defaults would break them,
-ignoring other values would serve a request the client did not ask for."""
-
-
 def _refuse_unsupported(req: _Sampling) -> None:
     """ApiError 400 for a parameter the daemon cannot honour (never ignored silently)."""
     for name, allowed in NOOP_VALUES.items():
         value = getattr(req, name)
-        if value is not None and _ANY not in allowed and not any(
+        if value is not None and ANY not in allowed and not any(
                 value == ok and (type(value) is type(ok) or isinstance(ok, float) and not isinstance(value, bool))
                 for ok in allowed):
             raise bad_request(f"{name} = {json_text(value)} is not supported"

@@ -22,6 +22,7 @@ from typing import Awaitable, Callable
 from aiohttp import web
 
 from ringstream.daemon.http import constraints as C
+from ringstream.daemon.http.chat import chat_messages, tool_delta, tool_message
 from ringstream.daemon.http import generation as G
 from ringstream.daemon.http import logprobs as L
 from ringstream.daemon.http import openai_schema as S
@@ -47,6 +48,16 @@ LONG_PROMPT_CHARS = 8192
 """A rendered chat prompt this long or longer is tokenised on a thread, off the event loop."""
 CLOSING_STATUSES = frozenset({408, 413})
 """Errors answered before the body was read whole: the connection is closed after them."""
+
+
+async def daemon_status(client: AsyncClient) -> P.StatusReply:
+    """The daemon's status; ApiError 503 ``daemon_unavailable`` when it does not answer within
+    :data:`STATUS_TIMEOUT_S`."""
+    try:
+        return await asyncio.wait_for(client.status(), STATUS_TIMEOUT_S)
+    except (RingstreamError, TimeoutError) as exc:
+        raise S.unavailable(f"the inference daemon is unavailable: {exc or 'no answer'}",
+                            "daemon_unavailable") from None
 
 
 def authorized(header: str | None, api_key: str) -> bool:
@@ -152,11 +163,7 @@ class HttpApi:
         """The served model, from the daemon's status on first use; ApiError 503 while it cannot be asked."""
         if self._model is not None:
             return self._model
-        try:
-            status = await asyncio.wait_for(self.client.status(), STATUS_TIMEOUT_S)
-        except (RingstreamError, TimeoutError) as exc:
-            raise S.unavailable(f"the inference daemon is unavailable: {exc or 'no answer'}",
-                                "daemon_unavailable") from None
+        status = await daemon_status(self.client)
         if not status.model:
             raise S.unavailable("the inference daemon has not loaded its model yet", "starting")
         lens = [w.max_model_len for w in status.workers if w.max_model_len]
@@ -228,11 +235,7 @@ class HttpApi:
         """SGLang's ``/get_load``, which vllm-router's load-aware policies (``power_of_two``) poll: ``{"load"}``,
         the requests the daemon holds (waiting in its queue or computing), with ``num_reqs`` (computing) and
         ``num_waiting_reqs`` (waiting) beside it; 503 while the daemon cannot be asked."""
-        try:
-            status = await asyncio.wait_for(self.client.status(), STATUS_TIMEOUT_S)
-        except (RingstreamError, TimeoutError) as exc:
-            raise S.unavailable(f"the inference daemon is unavailable: {exc or 'no answer'}",
-                                "daemon_unavailable") from None
+        status = await daemon_status(self.client)
         return web.json_response({"load": status.waiting + status.running, "num_reqs": status.running,
                                   "num_waiting_reqs": status.waiting})
 
@@ -263,7 +266,7 @@ class HttpApi:
                 raise S.bad_request(served.template_error or "the model has no chat template", "messages",
                                     "chat_template_error")
             try:
-                text = render_chat_prompt(served.chat_template, _messages(req), req.add_generation_prompt,
+                text = render_chat_prompt(served.chat_template, chat_messages(req), req.add_generation_prompt,
                                           req.chat_template_kwargs)
             except ChatTemplateError as exc:
                 raise S.bad_request(str(exc), "messages", "chat_template_error") from None
@@ -379,7 +382,7 @@ class HttpApi:
         if plan is not None and plan.constraint is not None:
             constraint = plan.constraint
         if plan is None and self._daemon_renders(served, req, max_tokens):
-            prompt = tuple(_messages(req))  # G.Job: a tuple of messages, rendered and tokenised by the daemon
+            prompt = tuple(chat_messages(req))  # G.Job: a tuple of messages, rendered and tokenised by the daemon
         else:
             prompt, max_tokens = await self._render(served, req, max_tokens, plan)
         jobs = G.jobs_of([prompt], req.n or 1)
@@ -406,7 +409,7 @@ class HttpApi:
             if finish is not None:
                 more, finish = stream.finish(finish)
                 pieces += more
-            deltas = [_delta(piece, plan.legacy) for piece in pieces]
+            deltas = [tool_delta(piece, plan.legacy) for piece in pieces]
             deltas = [d for d in deltas if d is not None]
             if not deltas and (finish is not None or logprobs is not None):
                 deltas = [R.Delta()]
@@ -422,7 +425,7 @@ class HttpApi:
         for i in range(len(jobs)):
             message, finish = R.AssistantMessage(got.text(i)), got.finish.get(i)
             if plan is not None:
-                message, finish = _tool_message(T.ToolStream(plan), got.text(i), finish)
+                message, finish = tool_message(T.ToolStream(plan), got.text(i), finish)
             choices.append(R.ChatChoice(i, message, finish, L.chat_logprobs(got.logprobs.get(i, []), names)
                                         if names is not None else None))
         return await G.send_json(request, R.ChatCompletionBody(rid, created, served.name, choices, got.usage()),
@@ -463,7 +466,7 @@ class HttpApi:
         if plan is not None:
             extra["tools"] = plan.tools
         try:
-            text = render_chat_prompt(served.chat_template, _messages(req), req.add_generation_prompt, extra)
+            text = render_chat_prompt(served.chat_template, chat_messages(req), req.add_generation_prompt, extra)
         except ChatTemplateError as exc:
             raise S.bad_request(str(exc), "messages", "chat_template_error") from None
         ids = await self._tokens(served, text)
@@ -486,55 +489,3 @@ def _error(exc: S.ApiError) -> web.Response:
     if exc.status in CLOSING_STATUSES:
         response.force_close()
     return response
-
-
-def _messages(req: S.ChatCompletionRequest) -> list[dict]:
-    """The messages as the template reads them: content a string (text parts joined); ApiError 400 for others."""
-    out = []
-    for i, msg in enumerate(req.messages):
-        content = msg.content
-        if isinstance(content, list):
-            if any(part.type != "text" or part.text is None for part in content):
-                raise S.bad_request(f"messages[{i}]: only text content parts are supported", "messages")
-            content = "".join(part.text for part in content)
-        role = "tool" if msg.role == "function" else msg.role  # the legacy function result, as templates read it
-        item = {"role": role, "content": "" if content is None else content}
-        if msg.name is not None:
-            item["name"] = msg.name
-        calls = T.message_tool_calls(msg.tool_calls if msg.tool_calls is not None else
-                                     [{"type": "function", "function": msg.function_call}] if msg.function_call
-                                     else None)
-        if calls is not None:
-            item["tool_calls"] = calls
-        if msg.tool_call_id is not None:
-            item["tool_call_id"] = msg.tool_call_id
-        out.append(item)
-    return out
-
-
-def _delta(piece: T.Piece, legacy: bool) -> R.Delta | None:
-    """The streamed delta of one piece of a tool-reading answer (None for an empty one)."""
-    if piece.call is not None:
-        call = piece.call
-        function = R.DeltaFunction(call.name, call.arguments)
-        if legacy:
-            return R.Delta(function_call=function) if call.index == 0 else None
-        return R.Delta(tool_calls=[R.DeltaToolCall(call.index, call.id, "function", function)])
-    if piece.more_arguments:
-        function = R.DeltaFunction(arguments=piece.more_arguments)
-        return R.Delta(function_call=function) if legacy else R.Delta(tool_calls=[R.DeltaToolCall(0, function=function)])
-    return R.Delta(content=piece.content) if piece.content else None
-
-
-def _tool_message(stream: T.ToolStream, text: str, finish: str | None) -> tuple[R.AssistantMessage, str | None]:
-    """A whole answer read for tool calls: its message and finish reason (the stream fed at once)."""
-    pieces = stream.feed(text)
-    more, finish = stream.finish(finish)
-    content = "".join(piece.content for piece in pieces + more)
-    calls = [R.ToolCallBody(c.id, R.FunctionCallBody(c.name, c.arguments)) for c in stream.calls]
-    message = R.AssistantMessage(content or (None if calls else ""))
-    if stream.plan.legacy and calls:
-        message.function_call = calls[0].function
-    elif calls:
-        message.tool_calls = calls
-    return message, finish

@@ -29,7 +29,9 @@ from typing import Annotated
 
 from msgspec import Meta, Struct
 
-from ringstream.daemon.common.grammar import check_constraint
+from ringstream.daemon.http.tool_schemas import (
+    ToolRequestError, call_schema, json_constraint, parameters, required_schema,
+)
 from ringstream.ipc import protocol as P
 from ringstream.ipc.wire import MAX_GRAMMAR_CHARS
 
@@ -110,14 +112,6 @@ class ToolPlan:
     legacy: bool = False
 
 
-class ToolRequestError(ValueError):
-    """A request's tools cannot be served: ``param`` names the field."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
 def plan_tools(tools: list[ToolDef] | None, tool_choice: ToolChoice | None, functions: list[FunctionDef] | None,
                function_call: FunctionCallChoice | None, parallel_tool_calls: bool | None,
                parser: str | None, constrained: bool, parser_off: bool = False) -> ToolPlan | None:
@@ -158,7 +152,7 @@ def plan_tools(tools: list[ToolDef] | None, tool_choice: ToolChoice | None, func
         if f.parameters is not None and f.parameters.get("type", "object") != "object":
             raise ToolRequestError(f"{field_tools}: the parameters of {f.name!r} must be an object schema",
                                    field_tools)
-        size = len(json.dumps(_parameters(f)))
+        size = len(json.dumps(parameters(f)))
         total += size
         if size > MAX_GRAMMAR_CHARS:
             raise ToolRequestError(f"{field_tools}: the parameters schema of {f.name!r} is {size} characters of "
@@ -167,7 +161,7 @@ def plan_tools(tools: list[ToolDef] | None, tool_choice: ToolChoice | None, func
             raise ToolRequestError(f"{field_tools}: the parameters schemas are more than {MAX_TOOL_SCHEMAS_CHARS} "
                                    "characters of JSON together", field_tools)
     for f in defs:
-        _json_constraint(_call_schema(f), f"{field_tools}: the parameters schema of {f.name!r}", field_tools)
+        json_constraint(call_schema(f), f"{field_tools}: the parameters schema of {f.name!r}", field_tools)
     rendered = [{"type": "function", "function": _function_dict(f)} for f in defs]
     if choice is None:
         choice = "auto"
@@ -191,58 +185,17 @@ def plan_tools(tools: list[ToolDef] | None, tool_choice: ToolChoice | None, func
         if name not in by_name:
             raise ToolRequestError(f"{field_choice} names {name!r}, which is not among the {field_tools} "
                                    f"({', '.join(names)})", field_choice)
-        schema = _call_schema(by_name[name])
+        schema = call_schema(by_name[name])
         return ToolPlan(rendered, "named", name=name, legacy=legacy,
-                        constraint=_json_constraint(schema, f"{field_tools}: the parameters schema of {name!r}",
+                        constraint=json_constraint(schema, f"{field_tools}: the parameters schema of {name!r}",
                                                     field_tools))
-    schema = _required_schema(defs, parallel, field_tools)
+    schema = required_schema(defs, parallel, field_tools)
     if len(json.dumps(schema)) > MAX_GRAMMAR_CHARS:
         raise ToolRequestError(f"{field_tools}: tool_choice required constrains the output to a call of any of "
                                f"them, and their schemas together are more than {MAX_GRAMMAR_CHARS} characters of "
                                "JSON; offer fewer, or name one", field_tools)
     return ToolPlan(rendered, "required", legacy=legacy,
-                    constraint=_json_constraint(schema, f"{field_tools}: the calls' schema", field_tools))
-
-
-def _required_schema(defs: list[FunctionDef], parallel: bool, field_tools: str) -> dict:
-    """The JSON schema of ``tool_choice`` required: an array of ``{"name", "parameters"}`` calls, each valid
-    under its function's schema. Each schema sits under the root's ``$defs`` (as ``fn0``, ``fn1``...) with its
-    local ``$ref`` pointers rebased there, so that ``#/$defs/X`` and ``#`` keep naming what they name in it."""
-    root_defs: dict = {}
-    calls = []
-    for i, f in enumerate(defs):
-        params = _call_schema(f)
-        if '"$ref"' in json.dumps(params):
-            key = f"fn{i}"
-            try:
-                root_defs[key] = _rebase_refs(params, f"#/$defs/{key}")
-            except RecursionError:
-                raise ToolRequestError(f"{field_tools}: the parameters schema of {f.name!r} is nested too deeply",
-                                       field_tools) from None
-            params = {"$ref": f"#/$defs/{key}"}
-        calls.append({"type": "object", "properties": {"name": {"const": f.name}, "parameters": params},
-                      "required": ["name", "parameters"], "additionalProperties": False})
-    schema: dict = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
-    if root_defs:
-        schema["$defs"] = root_defs
-    if not parallel:
-        schema["maxItems"] = 1
-    return schema
-
-
-_DATA_KEYWORDS = frozenset(("const", "enum", "default", "examples"))
-"""Schema keywords whose values are JSON data, not schemas: a ``$ref`` key in them is not a reference."""
-
-
-def _rebase_refs(node, base: str):
-    """``node`` with each local ``$ref`` (``#`` or ``#/...``) rewritten to start at ``base``."""
-    if isinstance(node, dict):
-        return {key: (base + value[1:] if key == "$ref" and isinstance(value, str) and value.startswith("#")
-                      else value if key in _DATA_KEYWORDS else _rebase_refs(value, base))
-                for key, value in node.items()}
-    if isinstance(node, list):
-        return [_rebase_refs(value, base) for value in node]
-    return node
+                    constraint=json_constraint(schema, f"{field_tools}: the calls' schema", field_tools))
 
 
 def _first_repeat(names: list[str]) -> str:
@@ -258,29 +211,8 @@ def _function_dict(f: FunctionDef) -> dict:
     out: dict = {"name": f.name}
     if f.description is not None:
         out["description"] = f.description
-    out["parameters"] = _parameters(f)
+    out["parameters"] = parameters(f)
     return out
-
-
-def _parameters(f: FunctionDef) -> dict:
-    return f.parameters if f.parameters is not None else {"type": "object", "properties": {}}
-
-
-def _call_schema(f: FunctionDef) -> dict:
-    """The schema a call's arguments are held to: the parameters schema, an object whether or not it says so
-    (``{}`` admits a string or number otherwise, and OpenAI's arguments are always an object)."""
-    params = _parameters(f)
-    return params if params.get("type") == "object" else {**params, "type": "object"}
-
-
-def _json_constraint(schema: dict, what: str, param: str) -> P.StructuredOutputs:
-    """The constraint of ``schema``, compiled (cached by its text); ToolRequestError naming ``what``."""
-    constraint = P.StructuredOutputs(json=json.dumps(schema))
-    try:
-        check_constraint(constraint)
-    except ValueError as exc:
-        raise ToolRequestError(f"{what} does not compile: {exc}", param) from None
-    return constraint
 
 
 # --------------------------------------------------------------------------
