@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_address(admin_set)
     admin_set.add_argument("settings", nargs="+", metavar="KEY=VALUE")
 
+    sub.add_parser("config", help="print an example configuration file: every setting with its default and meaning "
+                   "(ringstream config > /etc/ringstream/ringstream.toml)")
+
     demo = sub.add_parser("demo", formatter_class=defaults, help="start a daemon on the built-in model, stream a batch, summarise, stop")
     demo.add_argument("--model", help="model directory (default: built-in model)")
     demo.add_argument("--devices", default="cpu")
@@ -146,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-COMMANDS = ("serve", "generate", "status", "admin", "demo")
+COMMANDS = ("serve", "generate", "status", "admin", "config", "demo")
 NESTED = {"admin": ("set",)}
 """Commands with subcommands of their own, whose options belong to the subcommand."""
 
@@ -228,6 +231,11 @@ def _run(args: argparse.Namespace) -> int:
             return _status(args)
         case "admin":
             return _admin(args)
+        case "config":
+            from ringstream.daemon.common.config_example import example_config
+
+            sys.stdout.write(example_config())
+            return 0
         case "demo":
             from ringstream.daemon.demo import run_demo
 
@@ -357,6 +365,10 @@ def _status(args: argparse.Namespace) -> int:
           f"TTFT p50 {_latency(reply.ttft_p50_s)}, p99 {_latency(reply.ttft_p99_s)}; "
           f"ITL p50 {_latency(reply.itl_p50_s)}, p99 {_latency(reply.itl_p99_s)}")
     for w in reply.workers:
+        if w.phase not in ("", "ready"):  # starting, or down: its figures are zeros until it is ready
+            print(f"  worker {w.index} {w.device} pid {w.pid} {'alive' if w.alive else 'DEAD'}: "
+                  f"{w.phase} for {w.phase_s:.0f} s, served {w.requests_served}")
+            continue
         print(f"  worker {w.index} {w.device} pid {w.pid} {'alive' if w.alive else 'DEAD'}: "
               f"{w.running}/{min(w.max_num_seqs, reply.max_concurrency)} running, {w.waiting} waiting, "
               f"{w.tokens_per_s:.1f} tokens/s, KV cache {w.kv_cache_usage:.0%} "

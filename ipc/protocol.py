@@ -63,7 +63,7 @@ from ringstream.ipc.worker_protocol import (  # noqa: F401  (re-exported)
     COMMAND_DECODER, EVENT_DECODER, FINISH_DECODER, PROMPT_LOGPROBS_DECODER, TOKEN_PAYLOAD_DECODER,
     FLAG_LOGPROBS, WORKER_ERROR_DECODER, Abort, Assign, Doorbell, Finish, TokenPayload,
     RingSpace, Shutdown, WorkerCapacity, WorkerCommand, WorkerError, WorkerEvent, WorkerHeartbeat, WorkerReady,
-    WorkerStartFailed,
+    WORKER_PHASES, WorkerStartFailed, WorkerStarting,
 )
 
 PROTOCOL_VERSION = 2
@@ -261,6 +261,11 @@ class WorkerStatus(Struct, **WIRE):
     """Decode rate of the requests running here, tokens per second: the sum over them of the tokens each
     streamed after its first one, divided by the seconds since that first token (an estimate; the exact
     figure of the whole daemon is ``StatusReply.tokens_per_s``)."""
+    phase: str = ""
+    """What the worker is doing (``worker_protocol.WORKER_PHASES``): ``ready`` when serving; while it starts,
+    the phase it is in (``loading weights``...), whose figures are zeros until it is ready."""
+    phase_s: float = 0.0
+    """Seconds since the worker entered ``phase``."""
 
 
 class RequestInfo(Struct, **WIRE):

@@ -92,11 +92,28 @@ class WorkerReady(Struct, tag="worker_ready", **WIRE):
     capacity: WorkerCapacity
 
 
+class WorkerStarting(Struct, tag="worker_starting", **WIRE):
+    """The worker entered a phase of its start (sent before each; ``WorkerReady`` ends the start)."""
+
+    worker: int
+    phase: str
+    """One of :data:`WORKER_PHASES`' starting phases, e.g. ``loading weights``."""
+
+
+WORKER_PHASES = ("starting", "importing torch", "loading weights", "sizing the KV cache", "warming up", "ready",
+                 "failed", "exited")
+"""What a worker is doing, as ``ringstream status`` shows it: ``starting`` from its spawn until its first
+message, then each phase the worker reports (:class:`WorkerStarting`), ``ready`` from its ``WorkerReady``,
+``failed`` after a ``WorkerStartFailed``, ``exited`` from its exit until its restart."""
+
+
 class WorkerStartFailed(Struct, tag="worker_start_failed", **WIRE):
     """The worker could not start (bad model path, bad device...)."""
 
     worker: int
     message: str
+    refused: bool = False
+    """The engine refused the model (its start check): the daemon's start then exits 2, not 1."""
 
 
 class Doorbell(Struct, tag="doorbell", **WIRE):
@@ -123,7 +140,7 @@ class WorkerHeartbeat(Struct, tag="worker_heartbeat", **WIRE):
     """Prompt tokens found there."""
 
 
-WorkerEvent = Union[WorkerReady, WorkerStartFailed, Doorbell, WorkerHeartbeat]
+WorkerEvent = Union[WorkerReady, WorkerStarting, WorkerStartFailed, Doorbell, WorkerHeartbeat]
 
 
 # --------------------------------------------------------------------------

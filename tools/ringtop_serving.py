@@ -120,7 +120,8 @@ def _workers_table(reply: P.StatusReply, width: int) -> Table:
     for w in reply.workers:
         slots = min(w.max_num_seqs, reply.max_concurrency) if w.max_num_seqs else reply.max_concurrency
         table.add_row(
-            str(w.index), w.device, Text(str(w.pid)) if w.alive else Text("dead", style="bold red"),
+            str(w.index), w.device if w.phase in ("", "ready") else Text(f"{w.device} {w.phase}", style="yellow"),
+            Text(str(w.pid)) if w.alive else Text("dead", style="bold red"),
             f"{w.running}/{slots}", str(w.waiting), _kv_cell(w.kv_cache_usage), f"{w.tokens_per_s:.1f}",
             str(w.requests_served),
         )

@@ -41,6 +41,17 @@ class ModelError(Exception):
     """A model directory is missing, incomplete, malformed or fails to load."""
 
 
+class ModelRefused(ModelError):
+    """The engine cannot serve this model exactly (found by the worker's start check, after the weights load):
+    the start exits 2, like a refusal by :func:`resolve_model_dir`, since no retry changes it."""
+
+
+class ModelNotFound(ModelError):
+    """The model is not there (yet): no such directory, or a hub model neither cached nor downloadable. A start
+    that meets it exits 1 (retried under systemd: a mount or the network may come back); every other
+    ``ModelError`` is a refusal of the model itself, exit 2, like a bad setting."""
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """Facts about a validated model directory.
@@ -148,6 +159,7 @@ def resolve_model_dir(path: str | Path | None, max_model_len: int | None = None)
         The directory's :class:`ModelInfo`, with ``path`` made absolute.
 
     Raises:
+        ModelNotFound: no such directory, or a hub id neither cached nor downloadable.
         ModelError, in this order: the directory does not exist or lacks ``config.json``; the model is not a
             decoder-only causal LM, or of a family the engine does not serve (:data:`UNSUPPORTED_FAMILIES`);
             it lacks ``tokenizer.json``; its config has no context length (and ``max_model_len`` is None), no
@@ -157,7 +169,7 @@ def resolve_model_dir(path: str | Path | None, max_model_len: int | None = None)
     if not root.is_dir() and path is not None and HUB_ID.fullmatch(str(path)) and not Path(path).exists():
         root = hub_snapshot(str(path))
     if not root.is_dir():
-        raise ModelError(f"model directory {root} does not exist or is not a directory (a Hugging Face model is "
+        raise ModelNotFound(f"model directory {root} does not exist or is not a directory (a Hugging Face model is "
                          "named org/name, optionally @revision)")
     config_path = root / CONFIG_FILE
     if not config_path.is_file():
@@ -285,7 +297,7 @@ def hub_snapshot(name: str) -> Path:
     except Exception:  # huggingface_hub's LocalEntryNotFoundError: not cached
         pass
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        raise ModelError(f"{name} is not in the Hugging Face cache {cache} and HF_HUB_OFFLINE is set; fetch it "
+        raise ModelNotFound(f"{name} is not in the Hugging Face cache {cache} and HF_HUB_OFFLINE is set; fetch it "
                          f"on a host with network with: {fetch} (then copy that host's {cache} to this one's, or "
                          "set HF_HUB_CACHE to where the copy is; a gated model also needs hf auth login or "
                          "HF_TOKEN there)")
@@ -294,7 +306,7 @@ def hub_snapshot(name: str) -> Path:
         return Path(snapshot_download(repo, revision=revision, cache_dir=cache, allow_patterns=list(HUB_FILES),
                                       endpoint=os.environ.get("HF_ENDPOINT") or None))
     except Exception as exc:  # network, unknown repo or revision, gated repo: huggingface_hub's own message
-        raise ModelError(f"{name} is not in the Hugging Face cache {cache} and cannot be downloaded "
+        raise ModelNotFound(f"{name} is not in the Hugging Face cache {cache} and cannot be downloaded "
                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); fetch it "
                          f"with: {fetch}") from None
 

@@ -24,7 +24,13 @@ RESTART_WINDOW_S = 300.0
 
 
 class StartupError(Exception):
-    """The daemon cannot start (instance already running, ring or worker failure)."""
+    """The daemon cannot start (instance already running, ring or worker failure): exit status ``exit_code``,
+    1 (retried under systemd's ``Restart=on-failure``), or 2 for what no retry fixes (a model refused, a setting
+    at odds with the model; the unit's ``RestartPreventExitStatus=2``)."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class InstanceLock:

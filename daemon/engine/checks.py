@@ -19,7 +19,7 @@ import torch
 from ringstream.daemon.engine.attention import use_paged_attention
 from ringstream.daemon.engine.interface import SamplingParams
 from ringstream.daemon.engine.families import configured_window, sliding_window, unsupported_feature
-from ringstream.daemon.common.model_dir import ModelError
+from ringstream.daemon.common.model_dir import ModelRefused
 
 __all__ = [
     "CHECK_TOKENS",
@@ -67,7 +67,7 @@ def check_servable(model, config, max_model_len: int | None, max_num_batched_tok
     """Refuse a model the engine cannot serve exactly, from its class and text ``config``.
 
     Raises:
-        ModelError: a feature named by :func:`ringstream.daemon.engine.families.unsupported_feature`,
+        ModelRefused: a feature named by :func:`ringstream.daemon.engine.families.unsupported_feature`,
             attention not routed through transformers' AttentionInterface, or
             no ``max_position_embeddings``.
     """
@@ -79,7 +79,7 @@ def check_servable(model, config, max_model_len: int | None, max_num_batched_tok
     if problem is None and not isinstance(max_positions, int):
         problem = "its config has no max_position_embeddings"
     if problem is not None:
-        raise ModelError(f"{type(model).__name__} cannot be served exactly: {problem}")
+        raise ModelRefused(f"{type(model).__name__} cannot be served exactly: {problem}")
 
 
 def ignored_generation_defaults(model) -> list[str]:
@@ -104,7 +104,7 @@ def check_against_model(model, config, run: TracedRun, *, block_size: int, max_m
     tokens. ``config`` is the model's text config.
 
     Raises:
-        ModelError: the logits differ (naming by how much), or a configured
+        ModelRefused: the logits differ (naming by how much), or a configured
             sliding window never reaches the attention.
     """
     want = 2 * block_size + 3
@@ -117,7 +117,7 @@ def check_against_model(model, config, run: TracedRun, *, block_size: int, max_m
     output, got, seen_windows = run(prompt, params, max(1, length // 2))
     window = sliding_window(config, max_model_len)
     if window is not None and window not in seen_windows:
-        raise ModelError(
+        raise ModelRefused(
             f"{type(model).__name__}: its config has sliding_window={window} but no layer passes it to the "
             "attention function (the window would be applied by a mask the engine does not build); serve it with "
             f"max_model_len <= {window}"
@@ -134,7 +134,7 @@ def check_against_model(model, config, run: TracedRun, *, block_size: int, max_m
     diff = float((got - want).abs().max())
     scale = max(1.0, float(want.abs().max()))
     if got.shape != want.shape or not diff <= tolerance * scale:
-        raise ModelError(
+        raise ModelRefused(
             f"{type(model).__name__}: logits through the engine differ from the model's own forward "
             f"(max |difference| {diff:.3g} at logit scale {scale:.3g}); its layers do not use the engine's "
             "cache and attention as it needs, so it cannot be served exactly"

@@ -83,7 +83,7 @@ from ringstream.daemon.engine.checks import check_against_model, check_servable,
 from ringstream.daemon.engine.scheduler import SequenceState, StepScheduler
 from ringstream.daemon.engine.step_budget import StepBudget, default_max_step_ms
 from ringstream.daemon.engine.families import kv_shape
-from ringstream.daemon.common.model_dir import ModelError
+from ringstream.daemon.common.model_dir import ModelRefused
 from ringstream.daemon.engine.rope import check_batch_independent, fix_rope_frequencies
 from ringstream.daemon.engine.kernels import native_ops
 from ringstream.daemon.engine.kv_cache import PagedKVCache
@@ -130,7 +130,7 @@ class Engine(BaseEngine):
         eos_token_ids: EOS ids; default: the model's generation config, else its config.
 
     Raises:
-        ModelError: the model has a feature the engine cannot serve exactly
+        ModelRefused: the model has a feature the engine cannot serve exactly
             (named in the message; :func:`ringstream.daemon.engine.families.unsupported_feature`).
         ValueError: a setting out of range, or a pool that cannot hold one
             sequence of ``max_model_len`` tokens (the message gives the
@@ -194,7 +194,7 @@ class Engine(BaseEngine):
         try:
             return kv_shape(text_config)
         except Exception as exc:  # e.g. transformers' AmbiguousGlobalPerLayerAttributeError
-            raise ModelError(f"{type(model).__name__} cannot be served exactly: its key/value shape is not one per "
+            raise ModelRefused(f"{type(model).__name__} cannot be served exactly: its key/value shape is not one per "
                              f"model (per-layer head_dim or kv heads: {exc})") from exc
 
     def _num_blocks(self, model, num_layers: int, kv_heads: int, head_dim: int, value_head_dim: int) -> int:
@@ -230,7 +230,7 @@ class Engine(BaseEngine):
                 log.info("%s", line)
             check_batch_independent(model, self.max_model_len)
         except ValueError as exc:
-            raise ModelError(f"{name}: {exc}") from exc
+            raise ModelRefused(f"{name}: {exc}") from exc
         ignored = ignored_generation_defaults(model)
         if ignored:
             log.warning("%s: generation_config.json asks generate() for %s; the engine applies only each "
@@ -363,7 +363,7 @@ class Engine(BaseEngine):
 
         Raises:
             EngineError: the engine is not idle.
-            ModelError: the warmup request failed, or the engine's logits differ
+            ModelRefused: the warmup request failed, or the engine's logits differ
                 from the model's own forward
                 (:func:`ringstream.daemon.engine.checks.check_against_model`).
         """
@@ -379,7 +379,7 @@ class Engine(BaseEngine):
         while self.has_unfinished():
             produced += len(self.step())
         if produced != seq.max_output_tokens:
-            raise ModelError(f"{type(self._model).__name__} failed its warmup request ({self._warmup_failure}); "
+            raise ModelRefused(f"{type(self._model).__name__} failed its warmup request ({self._warmup_failure}); "
                               "its layers do not work with the engine's cache and attention")
         check_against_model(self._model, self._config, self._traced_run, block_size=self.block_size,
                             max_model_len=self.max_model_len, vocab_size=self.vocab_size, device=self.device,

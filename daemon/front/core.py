@@ -341,10 +341,11 @@ class FrontCore:
         record_worker_load(self.metrics, self.worker_loads[beat.worker], beat)
         self.worker_loads[beat.worker] = beat
 
-    def on_worker_start_failed(self) -> None:
-        """A worker could not load its model: fatal while starting (a restart retries with backoff instead)."""
+    def on_worker_start_failed(self, refused: bool = False) -> None:
+        """A worker could not load its model: fatal while starting, exit 2 when the engine ``refused`` the model
+        (no retry fixes it), else 1; once serving, its restart retries with backoff instead."""
         if self.state == DaemonState.STARTING:
-            self.request_stop(exit_code=1)
+            self.request_stop(exit_code=2 if refused else 1)
 
     def on_worker_exit(self, index: int, last_records: Iterable[list] = ()) -> bool:
         """Worker ``index`` exited: apply what it published last (``last_records``, as :meth:`on_ring`

@@ -48,7 +48,7 @@ from ringstream.daemon.common.listen import read_api_key
 from ringstream.daemon.front.intake import Intake
 from ringstream.daemon.front.metrics import Metrics
 from ringstream.daemon.common.model_dir import (
-    ModelInfo, check_tokenizer_vocab, load_tokenizer, model_name, resolve_model_dir,
+    ModelInfo, ModelNotFound, check_tokenizer_vocab, load_tokenizer, model_name, resolve_model_dir,
 )
 from ringstream.daemon.front.notify import Notifier, WatchdogGate
 from ringstream.daemon.front.ports import SendResult
@@ -183,7 +183,7 @@ class Front:
         except StartupError as exc:
             log.error("start failed: %s", exc)
             self.notifier.status(f"start failed: {exc}")
-            self.core.exit_code = 1
+            self.core.exit_code = exc.exit_code
         finally:
             for task in tasks:
                 task.cancel()
@@ -210,8 +210,10 @@ class Front:
             tokenizer = load_tokenizer(self.model)
             check_tokenizer_vocab(tokenizer, self.model)  # before any worker loads the weights
             validator = Validator(tokenizer, self.model)
-        except Exception as exc:
+        except ModelNotFound as exc:
             raise StartupError(str(exc)) from exc
+        except Exception as exc:  # the model refused, or a setting at odds with it: no retry fixes it
+            raise StartupError(str(exc), exit_code=2) from exc
         soft, raised_from = ensure_open_files(open_files_needed(config.max_clients, len(self.devices)))
         if raised_from is not None:
             log.info("raised the open-file limit from %d to %d (max_clients = %d)",
@@ -329,12 +331,17 @@ class Front:
             case P.WorkerHeartbeat(worker=index) as beat:
                 self.pool[index].last_heartbeat = time.monotonic()
                 self.core.on_worker_load(beat)
+            case P.WorkerStarting(worker=index, phase=phase):
+                self.pool[index].last_heartbeat = time.monotonic()
+                self.pool[index].enter(phase)
             case P.WorkerReady(worker=index) as ready:
                 self.pool[index].last_heartbeat = time.monotonic()
+                self.pool[index].enter("ready")
                 self.core.on_worker_ready(ready)
-            case P.WorkerStartFailed(worker=index, message=message):
+            case P.WorkerStartFailed(worker=index, message=message, refused=refused):
+                self.pool[index].enter("failed")
                 log.error("worker %d (%s) failed to start: %s", index, self.pool[index].device, message)
-                self.core.on_worker_start_failed()
+                self.core.on_worker_start_failed(refused)
 
     def _read_ring(self, worker: WorkerProcess) -> None:
         """Hand every published record of ``worker``'s ring to the core; the doorbell is re-armed after."""

@@ -5,6 +5,7 @@ Read-only views: nothing here changes a request or a worker.
 
 from __future__ import annotations
 
+import time
 from typing import Protocol, Sequence
 
 from ringstream import __version__
@@ -23,6 +24,8 @@ class WorkerView(Protocol):
     device: str
     pid: int
     alive: bool
+    phase: str
+    phase_since: float
 
     def ring_fill(self) -> float: ...
 
@@ -82,7 +85,7 @@ def build_status(core: FrontCore, workers: Sequence[WorkerView], model: str,
             kv_cache_usage=kv_cache_usage(load), preemptions_kv_cache=load.preemptions,
             preemptions_priority=b.preemptions,
             prefix_cache_queries=load.prefix_cache_queries, prefix_cache_hits=load.prefix_cache_hits,
-            waiting=load.waiting, tokens_per_s=rate,
+            waiting=load.waiting, tokens_per_s=rate, phase=w.phase, phase_s=max(0.0, time.monotonic() - w.phase_since),
         )
         for w, b, load, rate in zip(workers, scheduler.workers, core.worker_loads, rates)
     ]

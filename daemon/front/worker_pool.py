@@ -91,6 +91,10 @@ class WorkerProcess:
     pid: int = 0
     alive: bool = False
     last_heartbeat: float = field(default_factory=time.monotonic)
+    phase: str = "starting"
+    """What it is doing (``P.WORKER_PHASES``), from its spawn, its start messages and its exit."""
+    phase_since: float = field(default_factory=time.monotonic)
+    """Monotonic time it entered ``phase``."""
     failures: list[float] = field(default_factory=list)
     """Monotonic times of recent unexpected exits (restart backoff)."""
 
@@ -106,6 +110,10 @@ class WorkerProcess:
             log.debug("worker %d not connected; %s dropped", self.index, type(command).__name__)
             return False
         return True
+
+    def enter(self, phase: str) -> None:
+        """Note that the worker is now in ``phase`` (one of ``P.WORKER_PHASES``)."""
+        self.phase, self.phase_since = phase, time.monotonic()
 
     def ring_fill(self) -> float:
         """Unread bytes of its ring / the ring's capacity."""
@@ -226,6 +234,7 @@ def spawn(worker: WorkerProcess) -> None:
     worker.pid = worker.process.pid
     worker.alive = True
     worker.last_heartbeat = time.monotonic()
+    worker.enter("starting")
 
 
 def stop_process(worker: WorkerProcess) -> None:
@@ -291,6 +300,7 @@ class WorkerPool:
     def _exited(self, worker: WorkerProcess) -> None:
         self._unwatch(worker)
         worker.alive = False
+        worker.enter("exited")
         worker.process.join(EXIT_REAP_S)  # the sentinel fired: reaping is immediate, and sets exitcode
         code = worker.process.exitcode
         how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"

@@ -36,6 +36,7 @@ import time
 import zmq
 
 from ringstream.daemon.engine.interface import EngineRequest, PromptTooLong, RequestError
+from ringstream.daemon.common.model_dir import ModelRefused
 from ringstream.daemon.common.proctitle import set_process_title, worker_title
 from ringstream.daemon.worker.faults import FAULT_INJECT_ENV, FaultInjector
 from ringstream.daemon.worker.spec import WorkerSpec
@@ -166,6 +167,10 @@ class Worker:
     def _send(self, message) -> None:
         self.events.send(P.encode(message))
 
+    def _enter(self, phase: str) -> None:
+        """Tell the front which phase of the start this worker is in (``ringstream status`` shows it)."""
+        self._send(P.WorkerStarting(worker=self.spec.index, phase=phase))
+
     # ---------------------------------------------------------------- start
 
     def start(self) -> None:
@@ -175,6 +180,7 @@ class Worker:
             self.fault = FaultInjector.from_env(spec.index)
             self.engine = self._build_engine()
             started = time.monotonic()
+            self._enter("warming up")
             log.info("warming up and checking the engine against the model's own forward")
             self.engine.warmup()
             log.info("warm-up and start check done in %.1f s", time.monotonic() - started)
@@ -190,7 +196,8 @@ class Worker:
             raise
         except Exception as exc:
             log.error("cannot start on %s: %s", spec.engine.device, exc)
-            self._send(P.WorkerStartFailed(worker=spec.index, message=f"{type(exc).__name__}: {exc}"))
+            self._send(P.WorkerStartFailed(worker=spec.index, message=f"{type(exc).__name__}: {exc}",
+                                           refused=isinstance(exc, ModelRefused)))
             raise FrontGone from exc
         self._report_ready()
 
@@ -227,6 +234,7 @@ class Worker:
             )
         started = time.monotonic()
         log.info("started (pid %d); importing torch and transformers", os.getpid())
+        self._enter("importing torch")
         import torch
         from transformers.utils import logging as hf_logging
 
@@ -247,11 +255,13 @@ class Worker:
             torch.cuda.set_device(torch.device(config.device))
         started = time.monotonic()
         log.info("loading the weights of %s on %s as %s", info.path, config.device, config.dtype)
+        self._enter("loading weights")
         model = load_model(info, device=config.device, dtype=config.dtype)
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         log.info("weights loaded in %.1f s (%.0f MiB); sizing the KV cache", time.monotonic() - started,
                  weights / 2**20)
         started = time.monotonic()
+        self._enter("sizing the KV cache")
         engine = Engine(model, tokenizer, config, eos_token_ids=info.eos_token_ids)
         log.info("KV cache sized in %.1f s", time.monotonic() - started)
         return engine

@@ -295,6 +295,22 @@ def test_a_worker_dying_while_starting_stops_the_daemon_with_exit_code_1():
     assert ports.milestones == ["stopping", "stopped"]
 
 
+@pytest.mark.parametrize("refused,code", [(False, 1), (True, 2)])
+def test_a_worker_failing_its_start_stops_the_daemon_with_2_when_the_model_was_refused(refused, code):
+    core, _ = make_core(num_workers=2)
+    worker_ready(core, 0)
+    core.on_worker_start_failed(refused)
+    assert core.exit_code == code and core.state != DaemonState.SERVING
+
+
+def test_a_worker_failing_its_start_once_serving_leaves_the_daemon_serving():
+    core, _ = make_core(num_workers=2)
+    worker_ready(core, 0)
+    worker_ready(core, 1)
+    core.on_worker_start_failed(True)
+    assert core.state == DaemonState.SERVING and core.exit_code == 0
+
+
 def test_an_aborted_request_on_a_dead_worker_ends_with_its_abort_reason():
     core, ports = make_core()
     worker_ready(core)

@@ -11,6 +11,7 @@ import pytest
 from ringstream.daemon.common.model_dir import (
     DEFAULT_MODEL_DIR,
     ModelError,
+    ModelNotFound,
     ModelInfo,
     check_tokenizer_vocab,
     load_tokenizer,
@@ -170,7 +171,7 @@ def test_load_model_wraps_bad_weights(tmp_path, default_info):
 
 def test_resolve_missing_dir(tmp_path):
     missing = tmp_path / "nope"
-    with pytest.raises(ModelError, match="does not exist"):
+    with pytest.raises(ModelNotFound, match="does not exist"):
         resolve_model_dir(missing)
 
 
@@ -314,7 +315,7 @@ def test_a_hub_model_id_resolves_in_the_local_cache_offline(tmp_path, monkeypatc
     info = resolve_model_dir("acme/tiny-chat")
     assert info.path == snapshot.resolve() and info.vocab_size > 0
     assert resolve_model_dir(f"acme/tiny-chat@{'a' * 40}").path == snapshot.resolve()
-    with pytest.raises(ModelError, match=r"acme/other is not in the Hugging Face cache .*hf download acme/other"):
+    with pytest.raises(ModelNotFound, match=r"acme/other is not in the Hugging Face cache .*hf download acme/other"):
         resolve_model_dir("acme/other")
     with pytest.raises(ModelError, match="--revision v2"):
         resolve_model_dir("acme/tiny-chat@v2")
@@ -385,7 +386,7 @@ def test_a_hub_model_not_cached_is_downloaded_with_a_causal_lms_files_only(tmp_p
         assert sorted(p.name for p in info.path.iterdir()) == sorted(set(files) - {"pytorch_model.bin",
                                                                                    "README.md"})
         assert not any(path.endswith((".bin", ".md")) for _, path in requests)
-        with pytest.raises(ModelError, match=r"acme/nope .* cannot be downloaded .*hf download acme/nope"):
+        with pytest.raises(ModelNotFound, match=r"acme/nope .* cannot be downloaded .*hf download acme/nope"):
             resolve_model_dir("acme/nope")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # from the cache now, the stand-in gone
     assert resolve_model_dir("acme/tiny").path == info.path

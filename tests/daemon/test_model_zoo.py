@@ -19,7 +19,7 @@ import transformers as T
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ringstream.daemon.engine.engine import Engine, EngineRequest, SamplingParams, EngineConfig
-from ringstream.daemon.common.model_dir import ModelError
+from ringstream.daemon.common.model_dir import ModelError, ModelRefused
 from ringstream.daemon.common.model_dir import resolve_model_dir
 from ringstream.daemon.engine.loader import load_model
 from tests.factories import TINY_VOCAB_SIZE, make_tokenizer, save_tokenizer
@@ -170,7 +170,7 @@ def test_served_with_the_tokens_of_generate_alone(name, tokenizer):
 def test_refused_at_start_with_the_feature_named(name, tokenizer):
     config_class, fields, feature = REFUSED[name]
     model = _model(config_class, fields)
-    with pytest.raises(ModelError, match=feature):
+    with pytest.raises(ModelRefused, match=feature):  # the daemon's start exits 2: no retry fixes it
         engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=2, block_size=4, num_blocks=200),
                         eos_token_ids=(1,))
         engine.warmup()
@@ -273,7 +273,7 @@ def test_loaded_models_outside_attention_interface_are_refused_by_name(config_cl
     save_tokenizer(tokenizer, tmp_path)
     with pytest.raises(ModelError, match="ALiBi"):  # from the config, before anything loads
         resolve_model_dir(tmp_path)
-    with pytest.raises(ModelError, match=NO_ATTENTION_INTERFACE):  # and by the engine's own check
+    with pytest.raises(ModelRefused, match=NO_ATTENTION_INTERFACE):  # and by the engine's own check
         Engine(model, tokenizer, EngineConfig(max_num_seqs=2, block_size=4, num_blocks=200),
                         eos_token_ids=(1,))
 

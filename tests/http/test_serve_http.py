@@ -15,6 +15,7 @@ import openai
 import psutil
 import pytest
 
+from ringstream.ipc import protocol as P
 from ringstream.ipc.client import Client
 from tests.daemon_helpers import running_daemon, wait_exit
 from tests.http.helpers import http_url
@@ -192,7 +193,10 @@ def test_requests_before_the_workers_are_ready_get_503_over_http_and_wait_over_z
         status, headers, body = get(url + "/v1/models")
         assert status == 503 and json.loads(body)["error"]["code"] == "starting" and headers["Retry-After"]
         with concurrent.futures.ThreadPoolExecutor(1) as pool, Client(daemon.address) as client:
+            starting = client.status().workers[0]
+            assert starting.phase in P.WORKER_PHASES[:5] and starting.phase_s >= 0  # e.g. "importing torch"
             early = pool.submit(client.complete, prompt_token_ids=[5, 6, 7], max_tokens=2, ignore_eos=True)
             assert early.result(timeout=120).usage.completion_tokens == 2  # it waited for the worker
+            assert client.status().workers[0].phase == "ready"
         assert "starting: requests wait in the queue until a worker is ready" in daemon.log()
         assert get(url + "/v1/models")[0] == 200

@@ -12,6 +12,7 @@ import pytest
 
 from ringstream.daemon.common.config import Config, load_config
 from ringstream.daemon.front.core import ABORT_GRACE_S
+from ringstream.daemon.common.config_example import EXAMPLES, example_config
 from ringstream.daemon.common.supervision import JOIN_GRACE_S
 
 SYSTEMD_DIR = Path(__file__).resolve().parents[2] / "systemd"
@@ -22,7 +23,7 @@ EXAMPLE_CONFIG = SYSTEMD_DIR / "ringstream.toml"
 MAX_EXPOSURE = 2.0
 """Highest acceptable `systemd-analyze security` exposure (0 = locked down, 10 = unprotected)."""
 TOOL_TIMEOUT_S = 60
-EXAMPLE_NOT_DEFAULT = {"socket", "model"}
+EXAMPLE_NOT_DEFAULT = set(EXAMPLES)
 """Keys the example config shows with an example value rather than the default."""
 
 TIME_UNITS_S = {"": 1, "s": 1, "sec": 1, "min": 60, "m": 60, "h": 3600, "ms": 0.001}
@@ -229,6 +230,18 @@ def test_sysusers_and_tmpfiles_entries():
     tmpfiles = [line.split() for line in TMPFILES.read_text().splitlines()
                 if line.strip() and not line.lstrip().startswith("#")]
     assert tmpfiles == [["d", "/etc/ringstream", "0755", "root", "root", "-", "-"]]
+
+
+def test_example_config_is_the_generated_one():
+    assert EXAMPLE_CONFIG.read_text() == example_config(), (
+        "systemd/ringstream.toml is not what `ringstream config` writes: run ringstream config > systemd/ringstream.toml")
+
+
+def test_ringstream_config_prints_it(capsys):
+    from ringstream.daemon.cli import main
+
+    assert main(["config"]) == 0
+    assert capsys.readouterr().out == example_config()
 
 
 def test_example_config_is_valid_and_shows_the_defaults():
