@@ -18,7 +18,7 @@ import torch
 
 from ringstream.daemon.engine.attention import use_paged_attention
 from ringstream.daemon.engine.interface import SamplingParams
-from ringstream.daemon.engine.families import configured_window, sliding_window, unsupported_feature
+from ringstream.daemon.engine.families import configured_window, kv_shape, sliding_window, unsupported_feature
 from ringstream.daemon.common.model_dir import ModelRefused
 
 __all__ = [
@@ -26,8 +26,10 @@ __all__ = [
     "CHECK_TOLERANCE",
     "GENERATION_DEFAULTS_IGNORED",
     "check_against_model",
+    "check_model",
     "check_servable",
     "ignored_generation_defaults",
+    "kv_layout",
 ]
 
 CHECK_TOKENS = 4
@@ -80,6 +82,26 @@ def check_servable(model, config, max_model_len: int | None, max_num_batched_tok
         problem = "its config has no max_position_embeddings"
     if problem is not None:
         raise ModelRefused(f"{type(model).__name__} cannot be served exactly: {problem}")
+
+
+def check_model(model, text_config, config) -> int:
+    """Refuse what cannot be served exactly (:func:`check_servable`); the ``max_model_len`` in force (the
+    engine config's, else ``max_position_embeddings``). ValueError when it is outside ``[2, that]``."""
+    max_positions = getattr(text_config, "max_position_embeddings", None)
+    max_model_len = config.max_model_len if config.max_model_len is not None else max_positions
+    check_servable(model, text_config, max_model_len, config.max_num_batched_tokens)
+    if not 2 <= max_model_len <= max_positions:
+        raise ValueError(f"max_model_len must be in [2, {max_positions}], got {max_model_len}")
+    return max_model_len
+
+
+def kv_layout(model, text_config) -> tuple[int, int, int]:
+    """``(kv heads, key head dim, value head dim)``; ModelRefused when they differ between layers."""
+    try:
+        return kv_shape(text_config)
+    except Exception as exc:  # e.g. transformers' AmbiguousGlobalPerLayerAttributeError
+        raise ModelRefused(f"{type(model).__name__} cannot be served exactly: its key/value shape is not one per "
+                           f"model (per-layer head_dim or kv heads: {exc})") from exc
 
 
 def ignored_generation_defaults(model) -> list[str]:

@@ -79,17 +79,16 @@ from ringstream.daemon.engine.interface import (
     TokenOutput,
     check_request,
 )
-from ringstream.daemon.engine.checks import check_against_model, check_servable, ignored_generation_defaults
+from ringstream.daemon.engine.checks import check_against_model, check_model, ignored_generation_defaults, kv_layout
 from ringstream.daemon.engine.scheduler import SequenceState, StepScheduler
 from ringstream.daemon.engine.step_budget import StepBudget, default_max_step_ms
-from ringstream.daemon.engine.families import kv_shape
 from ringstream.daemon.common.model_dir import ModelRefused
 from ringstream.daemon.engine.rope import check_batch_independent, fix_rope_frequencies
 from ringstream.daemon.engine.kernels import native_ops
 from ringstream.daemon.engine.kv_cache import PagedKVCache
 from ringstream.daemon.engine.fused import fuse_elementwise
 from ringstream.daemon.engine.linear import pack_linears
-from ringstream.daemon.engine.memory import kv_cache_budget
+from ringstream.daemon.engine.memory import pool_blocks
 from ringstream.daemon.engine.model_runner import ModelRunner
 
 __all__ = [
@@ -142,7 +141,7 @@ class Engine(BaseEngine):
         config.check()
         text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.config = config
-        self.max_model_len = self._check_model(model, text_config, config)
+        self.max_model_len = check_model(model, text_config, config)
         self._model = model
         self._tokenizer = tokenizer
         self._config = text_config
@@ -158,8 +157,10 @@ class Engine(BaseEngine):
             pack_linears(model, native)  # before the memory profile: the packed weights replace the stored ones
             if native is not None:
                 fuse_elementwise(model, native)
-        kv_heads, head_dim, value_head_dim = self._kv_shape(model, text_config)
-        num_blocks = self._num_blocks(model, text_config.num_hidden_layers, kv_heads, head_dim, value_head_dim)
+        kv_heads, head_dim, value_head_dim = kv_layout(model, text_config)
+        num_blocks = pool_blocks(model, config, self.max_model_len, self.device,
+                                 PagedKVCache.bytes_per_block(text_config.num_hidden_layers, config.block_size,
+                                                              kv_heads, head_dim, self.dtype.itemsize, value_head_dim))
         self._prepare_model(model)
         with torch.inference_mode():
             self._cache = PagedKVCache(text_config.num_hidden_layers, num_blocks, config.block_size, kv_heads,
@@ -177,50 +178,6 @@ class Engine(BaseEngine):
                                          self.eos_token_ids[0] if self.eos_token_ids else None)
         self._compiling: dict[int, tuple[SequenceState, concurrent.futures.Future]] = {}
         """Constrained requests whose matchers are being built, by handle (not yet in the scheduler)."""
-
-    @staticmethod
-    def _check_model(model, text_config, config: EngineConfig) -> int:
-        """Refuse what cannot be served exactly; the ``max_model_len`` in force."""
-        max_positions = getattr(text_config, "max_position_embeddings", None)
-        max_model_len = config.max_model_len if config.max_model_len is not None else max_positions
-        check_servable(model, text_config, max_model_len, config.max_num_batched_tokens)
-        if not 2 <= max_model_len <= max_positions:
-            raise ValueError(f"max_model_len must be in [2, {max_positions}], got {max_model_len}")
-        return max_model_len
-
-    @staticmethod
-    def _kv_shape(model, text_config) -> tuple[int, int, int]:
-        """``(kv heads, key head dim, value head dim)``; ModelError when they differ between layers."""
-        try:
-            return kv_shape(text_config)
-        except Exception as exc:  # e.g. transformers' AmbiguousGlobalPerLayerAttributeError
-            raise ModelRefused(f"{type(model).__name__} cannot be served exactly: its key/value shape is not one per "
-                             f"model (per-layer head_dim or kv heads: {exc})") from exc
-
-    def _num_blocks(self, model, num_layers: int, kv_heads: int, head_dim: int, value_head_dim: int) -> int:
-        """KV pool blocks (the null block included) from the config or the memory left; ValueError when they
-        cannot hold one sequence of ``max_model_len`` tokens."""
-        config, block_size, max_model_len = self.config, self.config.block_size, self.max_model_len
-        block_bytes = PagedKVCache.bytes_per_block(num_layers, block_size, kv_heads, head_dim, self.dtype.itemsize,
-                                                   value_head_dim)
-        num_blocks = config.num_blocks
-        if num_blocks is None and config.kv_cache_bytes is not None:
-            num_blocks = config.kv_cache_bytes // block_bytes
-        elif num_blocks is None:
-            budget = kv_cache_budget(model, self.device, config.max_num_batched_tokens, config.memory_utilization)
-            # More blocks than every running sequence at full length only feed the prefix cache.
-            most = -(-config.max_num_seqs * max_model_len // block_size) + 1
-            num_blocks = min(most, budget // block_bytes)
-        largest = max(num_blocks - 1, 0) * block_size
-        if largest < max_model_len:
-            needed = (-(-max_model_len // block_size) + 1) * block_bytes
-            raise ValueError(
-                f"the KV cache ({max(num_blocks - 1, 0)} usable blocks of {block_size} tokens, {block_bytes} bytes "
-                f"each, plus the null block) cannot hold one sequence of max_model_len={max_model_len} tokens; the "
-                f"largest that fits is {largest}: lower max_model_len, or give the KV cache at least {needed} bytes "
-                f"(kv_cache_bytes, or more memory_utilization)"
-            )
-        return num_blocks
 
     def _prepare_model(self, model) -> None:
         """Fix RoPE for ``max_model_len``, check batch independence, switch to paged attention."""

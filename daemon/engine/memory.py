@@ -13,7 +13,7 @@ from __future__ import annotations
 import psutil
 import torch
 
-__all__ = ["kv_cache_budget"]
+__all__ = ["kv_cache_budget", "pool_blocks"]
 
 
 def kv_cache_budget(model, device: torch.device, num_tokens: int, memory_utilization: float) -> int:
@@ -55,3 +55,32 @@ def kv_cache_budget(model, device: torch.device, num_tokens: int, memory_utiliza
             model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
         peak = max(0, process.memory_info().rss - before)
     return max(0, int(available * memory_utilization) - peak)
+
+
+def pool_blocks(model, config, max_model_len: int, device: torch.device, block_bytes: int) -> int:
+    """Blocks of the KV pool (the null block included): the engine config's ``num_blocks``, else
+    ``kv_cache_bytes // block_bytes``, else what :func:`kv_cache_budget` leaves, at most ``max_num_seqs``
+    sequences of ``max_model_len`` tokens (more would only feed the prefix cache).
+
+    Raises:
+        ValueError: the pool cannot hold one sequence of ``max_model_len`` tokens (naming the largest that fits
+            and the bytes one would need).
+    """
+    block_size = config.block_size
+    num_blocks = config.num_blocks
+    if num_blocks is None and config.kv_cache_bytes is not None:
+        num_blocks = config.kv_cache_bytes // block_bytes
+    elif num_blocks is None:
+        budget = kv_cache_budget(model, device, config.max_num_batched_tokens, config.memory_utilization)
+        most = -(-config.max_num_seqs * max_model_len // block_size) + 1
+        num_blocks = min(most, budget // block_bytes)
+    largest = max(num_blocks - 1, 0) * block_size
+    if largest < max_model_len:
+        needed = (-(-max_model_len // block_size) + 1) * block_bytes
+        raise ValueError(
+            f"the KV cache ({max(num_blocks - 1, 0)} usable blocks of {block_size} tokens, {block_bytes} bytes "
+            f"each, plus the null block) cannot hold one sequence of max_model_len={max_model_len} tokens; the "
+            f"largest that fits is {largest}: lower max_model_len, or give the KV cache at least {needed} bytes "
+            f"(kv_cache_bytes, or more memory_utilization)"
+        )
+    return num_blocks

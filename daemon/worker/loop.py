@@ -254,7 +254,9 @@ class Worker:
         else:  # this worker's GPU is the current one: a library's bare "cuda" opens no context on GPU 0
             torch.cuda.set_device(torch.device(config.device))
         started = time.monotonic()
-        log.info("loading the weights of %s on %s as %s", info.path, config.device, config.dtype)
+        shards = sorted(info.path.glob("*.safetensors"))
+        log.info("loading the weights of %s on %s as %s (%.0f MiB in %d file(s))", info.path, config.device,
+                 config.dtype, sum(f.stat().st_size for f in shards) / 2**20, len(shards))
         self._enter("loading weights")
         model = load_model(info, device=config.device, dtype=config.dtype)
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
