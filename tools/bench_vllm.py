@@ -1,11 +1,11 @@
 """``ringstream-bench vllm``: ringstream and vLLM's CPU build side by side, same model, same client, same load.
 
-One random-weight Llama model directory (:func:`build_model_dir`, shape from the flags, float32, ringstream's
+One random-weight Llama model directory (:func:`build_model_dir`, shape from the flags, stored in ``--dtype``, ringstream's
 built-in tokenizer; built once and cached under ``--model-dir``, or ``--model DIR``) is served in turn by
 
 * ringstream: ``ringstream serve --http 127.0.0.1:P --model DIR`` (private runtime directory, a config file
-  with ``worker_threads`` = ``--threads``, ``dtype = "float32"``);
-* vLLM: ``python -m vllm.entrypoints.openai.api_server --model DIR --dtype float32 ...`` from the venv of
+  with ``worker_threads`` = ``--threads``, ``dtype`` = ``--dtype``, float32 by default);
+* vLLM: ``python -m vllm.entrypoints.openai.api_server --model DIR --dtype DTYPE ...`` from the venv of
   vLLM's CPU build (``--vllm-python``), with its CPU settings: ``VLLM_CPU_OMP_THREADS_BIND`` = ``--threads``
   cores (OpenMP threads of its worker, bound to them), the same KV pool size as ringstream's
   (``--kv-cache-memory-bytes``; an inherited ``VLLM_CPU_KVCACHE_SPACE`` is dropped, it would override it),
@@ -363,6 +363,8 @@ class Settings:
     """More settings of ringstream's config file (``NAME=VALUE``, the value a TOML literal), e.g. ``max_step_ms``."""
     warmup_requests: int = WARMUP_REQUESTS
     seed: int = 0
+    dtype: str = "float32"
+    """The dtype both servers run the model in (``--dtype`` of each; the built model's weights are stored in it)."""
 
 
 def vllm_cpu_ids(threads: int) -> list[int]:
@@ -375,7 +377,7 @@ def vllm_command(settings: Settings, port: int) -> tuple[list[str], dict[str, st
     """vLLM's API server command line and the environment variables its CPU build gets."""
     command = [
         settings.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(settings.model),
-        "--served-model-name", SERVED_MODEL_NAME, "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
+        "--served-model-name", SERVED_MODEL_NAME, "--dtype", settings.dtype, "--host", "127.0.0.1", "--port", str(port),
         "--max-model-len", str(settings.max_model_len), "--max-num-seqs", str(settings.concurrency),
         "--kv-cache-memory-bytes", str(settings.kv_cache_bytes), "--seed", str(settings.seed),
         "--disable-uvicorn-access-log",
@@ -441,7 +443,7 @@ class RingstreamServer(Server):
 
         try:
             tmp = Path(self._stack.enter_context(tempfile.TemporaryDirectory(prefix="rs-bench-")))
-            self.config = {"worker_threads": self.settings.threads, "dtype": "float32",
+            self.config = {"worker_threads": self.settings.threads, "dtype": self.settings.dtype,
                            "max_num_seqs": self.settings.concurrency} | dict(self.settings.ringstream_settings)
             config_path = write_config(tmp, self.config)
             args = ["--config", str(config_path), "--model", str(self.settings.model), "--devices", "cpu",
@@ -1039,7 +1041,8 @@ def print_report(report: dict, console=None) -> None:
         console.print(f"{name} skipped: {reason}")
     for key, error in report["errors"].items():
         console.print(f"{key} error: {error.splitlines()[0] if error else error}")
-    console.print(f"client: {report['client']}; threads {report['settings']['threads']}; "
+    console.print(f"client: {report['client']}; threads {report['settings']['threads']}, "
+                  f"{report['settings'].get('dtype', 'float32')}; "
                   f"host load before each run: " + ", ".join(
                       f"{k} {v[0]:.2f}" for k, v in report["host_load"].items()))
 
@@ -1141,6 +1144,9 @@ def add_parser(sub) -> None:
                                      "under the temporary directory, kept)")
     p.add_argument("--warmup", type=int, default=WARMUP_REQUESTS, help="warm-up requests per workload")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="dtype of the model and of both servers (default %(default)s; bfloat16 wants AVX512-BF16 or "
+                        "AMX)")
     p.add_argument("--json", help="write the report to this file")
     p.add_argument("--plot", help="bar plot of tok/s, TPOT and TTFT into this PNG (needs matplotlib)")
 
@@ -1151,7 +1157,8 @@ def _shape_from_args(args: argparse.Namespace) -> ModelShape:
     heads = args.heads if args.heads is not None else (default.heads if default_size else 0)
     kv_heads = args.kv_heads if args.kv_heads is not None else (default.kv_heads if default_size and not args.heads else 0)
     return ModelShape(hidden=args.hidden, layers=args.layers, heads=heads, kv_heads=kv_heads,
-                      intermediate=args.intermediate, vocab=args.vocab, max_positions=args.max_positions).resolved()
+                      intermediate=args.intermediate, vocab=args.vocab, max_positions=args.max_positions,
+                      dtype=args.dtype).resolved()
 
 
 def parse_setting(item: str) -> tuple[str, object]:
@@ -1206,7 +1213,7 @@ def command(args: argparse.Namespace, command_line: str = PROG) -> int:
                 vllm_python=args.vllm_python or default_vllm_python(), servers=servers, client=args.client,
                 vllm_eager=args.vllm_eager, vllm_args=tuple(args.vllm_arg), vllm_env=vllm_env,
                 ringstream_settings=ringstream_settings, warmup_requests=args.warmup,
-                seed=args.seed)
+                seed=args.seed, dtype=args.dtype)
             report = _run_command(settings, work, config, command_line, args)
             if args.json:
                 Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
