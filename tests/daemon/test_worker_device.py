@@ -67,9 +67,10 @@ def test_a_gpu_worker_makes_its_device_current_before_loading(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: events.append(("set_device", str(device))))
     monkeypatch.setattr(loader, "load_model", fake_load)
     worker = Worker.__new__(Worker)
+    worker._enter = lambda phase: events.append(("phase", phase)) if phase == "loading weights" else None
     worker.spec = SimpleNamespace(model_path=str(DEFAULT_MODEL_DIR),
                                   engine=SimpleNamespace(backend="paged", device="cuda:1", threads=0,
                                                          dtype="auto", max_model_len=None))
     with pytest.raises(Loaded):
         worker._build_engine()
-    assert events == [("set_device", "cuda:1"), ("load", "cuda:1")]
+    assert events == [("set_device", "cuda:1"), ("phase", "loading weights"), ("load", "cuda:1")]
