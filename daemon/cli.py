@@ -66,10 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, metavar="PORT", help="shorthand for --http 127.0.0.1:PORT")
     serve.add_argument("--http-unix", metavar="PATH", help="serve the HTTP API on this unix socket (mode 0600)")
     serve.add_argument("--api-key-file", metavar="FILE", help="bearer token HTTP clients must send")
-    serve.add_argument("--api-key", metavar="KEY", default=os.environ.get(API_KEY_ENV) or None,
-                       help=f"the bearer token itself (default: ${API_KEY_ENV}); other users may read a command "
-                            "line: --api-key-file is safer")
-    serve.add_argument("--served-model-name", help="the model's name in the HTTP API (default: its directory's)")
+    serve.add_argument("--api-key", metavar="KEY",
+                       help=f"the bearer token itself (default: ${API_KEY_ENV}, unless an api_key_file is set); "
+                            "other users may read a command line: --api-key-file is safer")
+    serve.add_argument("--served-model-name", help="the model's name in the HTTP API (default: its hub id org/name, or its "
+                       "directory's name)")
     serve.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json", "none"],
                        help="the call format the HTTP API's tool_choice auto reads (default auto: from the chat "
                             "template)")
@@ -149,30 +150,68 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-COMMANDS = ("serve", "generate", "status", "admin", "config", "demo")
-NESTED = {"admin": ("set",)}
-"""Commands with subcommands of their own, whose options belong to the subcommand."""
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The (sub)commands of ``parser`` by name; empty for a parser without any."""
+    return next((dict(action.choices) for action in parser._actions
+                 if isinstance(action, argparse._SubParsersAction)), {})
 
 
-def reorder_options(argv: list[str]) -> list[str]:
+def _takes_value(parsers: list[argparse.ArgumentParser], option: str) -> bool:
+    """Whether ``option`` (``--name``, never ``--name=value``) takes a value in any of ``parsers``: an option
+    unknown to all of them is taken to be a flag (argparse names it when it parses)."""
+    for parser in parsers:
+        action = parser._option_string_actions.get(option)
+        if action is not None:
+            return action.nargs != 0
+    return False
+
+
+def _command_at(argv: list[str], parser: argparse.ArgumentParser) -> int | None:
+    """Index in ``argv`` of the first (sub)command of ``parser`` given after options only, skipping each option's
+    value (so ``--instance serve status`` finds ``status``: ``serve`` is a value); None when a positional that is
+    no command comes first, or none comes. A ``--`` before it ends the options: the next word must be the
+    command."""
+    commands = _subparsers(parser)
+    parsers = [parser, *commands.values()]
+    for sub in commands.values():
+        parsers += _subparsers(sub).values()
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return i + 1 if i + 1 < len(argv) and argv[i + 1] in commands else None
+        if not arg.startswith("-") or arg == "-":
+            return i if arg in commands else None
+        i += 2 if "=" not in arg and arg.startswith("--") and _takes_value(parsers, arg) else 1
+    return None
+
+
+def reorder_options(argv: list[str], parser: argparse.ArgumentParser | None = None) -> list[str]:
     """``argv`` with options given before a (sub)command moved after it, where the parser expects them:
     ``ringstream --max-tokens 5 generate x`` is ``ringstream generate --max-tokens 5 x``, ``ringstream admin
-    --instance x set k=v`` is ``ringstream admin set --instance x k=v``. ``--help`` and ``--version`` first
-    stay where they are."""
+    --instance x set k=v`` is ``ringstream admin set --instance x k=v``. An option's value is never taken for
+    the command (``--instance serve status`` is the status of instance ``serve``); ``ringstream -- serve`` is
+    ``ringstream serve``. ``--help`` and ``--version`` first stay where they are; what cannot be read so is left
+    for the parser to refuse."""
+    parser = parser or build_parser()
     argv = list(argv)
     if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
-        at = next((i for i, arg in enumerate(argv) if arg in COMMANDS), None)
+        at = _command_at(argv, parser)
         if at is not None:
-            argv = [argv[at], *argv[:at], *argv[at + 1:]]
-    if argv and argv[0] in NESTED and len(argv) > 1 and argv[1].startswith("-") and argv[1] not in ("-h", "--help"):
-        at = next((i for i, arg in enumerate(argv) if i and arg in NESTED[argv[0]]), None)
+            before = argv[:at]
+            argv = [argv[at], *(before[:-1] if before[-1:] == ["--"] else before), *argv[at + 1:]]
+    nested = _subparsers(_subparsers(parser).get(argv[0], parser)) if argv else {}
+    if nested and len(argv) > 1 and argv[1].startswith("-") and argv[1] not in ("-h", "--help"):
+        at = _command_at(argv[1:], _subparsers(parser)[argv[0]])
         if at is not None:
+            at += 1
             argv = [argv[0], argv[at], *argv[1:at], *argv[at + 1:]]
     return argv
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(reorder_options(sys.argv[1:] if argv is None else argv))
+    parser = build_parser()
+    args = parser.parse_args(reorder_options(sys.argv[1:] if argv is None else argv, parser))
     try:
         return _run(args)
     except BrokenPipeError:
@@ -243,6 +282,17 @@ def _run(args: argparse.Namespace) -> int:
     return 2
 
 
+def _file_settings(path: str | None) -> dict:
+    """The settings a TOML config file gives, as written; empty when there is none or it cannot be read
+    (``load_config`` then says why)."""
+    try:
+        with open(path or os.devnull, "rb") as file:
+            settings = msgspec.toml.decode(file.read())
+    except (OSError, msgspec.DecodeError):
+        return {}
+    return settings if isinstance(settings, dict) else {}
+
+
 def _serve(args: argparse.Namespace) -> int:
     from ringstream.daemon.common.config import load_config
     from ringstream.daemon.front.shell import serve
@@ -266,7 +316,15 @@ def _serve(args: argparse.Namespace) -> int:
             print("ringstream: give --http HOST:PORT or --port PORT, not both", file=sys.stderr)
             return 2
         overrides["http"] = f"127.0.0.1:{args.port}"
+    if args.port is not None and not 0 <= args.port <= 65535:
+        print(f"ringstream: --port {args.port}: a TCP port is 0 to 65535 (0: any free one)", file=sys.stderr)
+        return 2
     overrides = {k: v for k, v in overrides.items() if v is not None}
+    env_key = os.environ.get(API_KEY_ENV) or None
+    if env_key:  # a default: a key given as a flag or in the config file wins over it; without HTTP it is unused
+        given = {**_file_settings(args.config), **overrides}
+        if not {"api_key", "api_key_file"} & given.keys() and {"http", "http_unix"} & given.keys():
+            overrides["api_key"] = env_key
     try:
         config = load_config(args.config, **overrides)
     except ValueError as exc:
@@ -360,7 +418,13 @@ def _status(args: argparse.Namespace) -> int:
     print(f"ringstream {reply.version}: {reply.state}, up {reply.uptime_s:.0f} s; "
           f"{reply.running} running, {reply.waiting} waiting (queue {reply.queue_size}); "
           f"{reply.requests_total} requests, {reply.tokens_generated_total} tokens")
-    print(f"  model {reply.model or 'unknown'}")
+    if reply.model:
+        from ringstream.daemon.common.model_dir import model_name
+
+        hub = model_name(reply.model)  # a hub cache snapshot: its id first, as the user named it
+        print(f"  model {hub} ({reply.model})" if hub != os.path.basename(reply.model) else f"  model {reply.model}")
+    else:
+        print("  model unknown")
     print(f"  throughput {reply.tokens_per_s:.1f} tokens/s (last {reply.tokens_per_s_window_s:.0f} s); "
           f"TTFT p50 {_latency(reply.ttft_p50_s)}, p99 {_latency(reply.ttft_p99_s)}; "
           f"ITL p50 {_latency(reply.itl_p50_s)}, p99 {_latency(reply.itl_p99_s)}")

@@ -115,14 +115,22 @@ REQUEST_COLUMNS = (("id", "left", None), ("pri", "right", 4), ("state", "left", 
                    ("prompt", "right", 6), ("tokens", "right", 9), ("age", "right", 6), ("TTFT", "right", 8))
 
 
+PHASE_LABELS = {"importing torch": "import torch", "loading weights": "load weights",
+                "sizing the KV cache": "size KV cache", "warming up": "warm-up"}
+"""A worker's start phase (:data:`ringstream.ipc.worker_protocol.WORKER_PHASES`) as the KV cache cell shows it
+until the worker is ready (there is no KV cache to show before): at most ``KV_BAR_CELLS + 5`` characters."""
+
+
 def _workers_table(reply: P.StatusReply, width: int) -> Table:
     table = _table(WORKER_COLUMNS, "workers", width)
     for w in reply.workers:
         slots = min(w.max_num_seqs, reply.max_concurrency) if w.max_num_seqs else reply.max_concurrency
+        kv = (_kv_cell(w.kv_cache_usage) if w.phase in ("", "ready")
+              else Text(PHASE_LABELS.get(w.phase, w.phase), style="yellow"))
         table.add_row(
-            str(w.index), w.device if w.phase in ("", "ready") else Text(f"{w.device} {w.phase}", style="yellow"),
+            str(w.index), w.device,
             Text(str(w.pid)) if w.alive else Text("dead", style="bold red"),
-            f"{w.running}/{slots}", str(w.waiting), _kv_cell(w.kv_cache_usage), f"{w.tokens_per_s:.1f}",
+            f"{w.running}/{slots}", str(w.waiting), kv, f"{w.tokens_per_s:.1f}",
             str(w.requests_served),
         )
     return table

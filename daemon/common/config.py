@@ -131,7 +131,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Least severe log records written (to stderr: the journal under systemd)."""
     http: str | None = None
     """``HOST:PORT`` of the OpenAI-compatible HTTP API, served by a child process of the front
-    (``ringstream: http``); None = no HTTP server. A host that is not loopback needs ``api_key_file``."""
+    (``ringstream: http``); None = no HTTP server. A host that is not loopback needs ``api_key_file`` or
+    ``api_key``."""
     http_unix: str | None = None
     """Also (or only) serve the HTTP API on this unix socket path (mode 0600)."""
     api_key: str | None = None
@@ -140,7 +141,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     api_key_file: str | None = None
     """File holding the bearer token HTTP clients must send (``Authorization: Bearer KEY``)."""
     served_model_name: str | None = None
-    """The model's name in the HTTP API; None = the model directory's name."""
+    """The model's name in the HTTP API; None = its Hugging Face id ``org/name`` for a hub model, else the model
+    directory's name."""
     tool_call_parser: Literal["auto", "hermes", "llama3_json", "none"] = "auto"
     """The tool call format the HTTP API's ``tool_choice`` auto reads from the model's output: ``auto`` = the one
     its chat template shows (``<tool_call>``: hermes; ``<|python_tag|>``: llama3_json); ``none`` refuses auto."""

@@ -46,11 +46,24 @@ SECTIONS = {
 
 EXAMPLES = {
     "socket": '"ipc:///run/ringstream/ringstream.sock"',
-    "model": '"/var/lib/ringstream/models/my-model"',
+    "curve_secret_key_file": '"/etc/ringstream/curve/server.key_secret"',
+    "curve_allowed_clients_dir": '"/etc/ringstream/curve/clients"',
+    "model": '"/var/lib/ringstream/models/my-model"    # or a Hugging Face id: "Qwen/Qwen2.5-0.5B-Instruct"',
+    "kv_cache_bytes": "4294967296    # 4 GiB",
+    "max_model_len": "4096",
+    "max_step_ms": "100.0",
+    "queue_timeout_s": "30.0",
+    "metrics_port": "9400",
     "http": '"127.0.0.1:8000"',
+    "http_unix": '"/run/ringstream/http.sock"',
+    "api_key": '"a-long-random-token"    # api_key_file is safer',
+    "api_key_file": '"/etc/ringstream/api_key"',
+    "served_model_name": '"my-model"',
     "kv_events_endpoint": '"tcp://10.0.0.5:5557"',
+    "kv_events_replay_endpoint": '"tcp://10.0.0.5:5558"',
 }
-"""Settings unset by default that the file shows with an example value instead (TOML)."""
+"""Settings unset by default that the file shows with an example value instead (TOML, then an optional
+comment)."""
 
 
 def field_docs() -> dict[str, str]:
@@ -91,7 +104,7 @@ def _comment(text: str) -> list[str]:
 
 def example_config() -> str:
     """The example file: a header, then per setting its docstring as comments and ``# key = default`` (a
-    setting unset by default: ``# key = <example>`` for those in :data:`EXAMPLES`, else ``#   key (unset)``)."""
+    setting unset by default: ``# key = <example>`` from :data:`EXAMPLES`, which has one for each)."""
     defaults, docs = Config(), field_docs()
     lines = HEADER.splitlines()
     for name in Config.__struct_fields__:
@@ -105,7 +118,8 @@ def example_config() -> str:
         if value is not None:
             lines.append(f"# {name} = {toml_value(name, value)}")
         elif name in EXAMPLES:
-            lines.append(f"# {name} = {EXAMPLES[name]}    # an example: unset by default")
+            value, _, comment = EXAMPLES[name].partition("    # ")
+            lines.append(f"# {name} = {value}    # an example{f' ({comment})' if comment else ''}: unset by default")
         else:
             lines.append(f"#   {name} (unset by default)")
     return "\n".join(lines) + "\n"

@@ -42,8 +42,9 @@ class ModelError(Exception):
 
 
 class ModelRefused(ModelError):
-    """The engine cannot serve this model exactly (found by the worker's start check, after the weights load):
-    the start exits 2, like a refusal by :func:`resolve_model_dir`, since no retry changes it."""
+    """The engine cannot serve this model exactly (found by the worker's start check, after the weights load), or
+    not with these settings (a KV cache of ``kv_cache_bytes`` too small for one sequence): the start exits 2,
+    like a refusal by :func:`resolve_model_dir`, since no retry changes it."""
 
 
 class ModelNotFound(ModelError):
@@ -108,6 +109,11 @@ def _eos_ids(value: Any, source: Path) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
+ENCODER_ONLY_TYPES = frozenset(("bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta",
+                                "deberta-v2", "camembert", "mpnet", "modernbert", "ernie", "nomic_bert", "xlm",
+                                "funnel", "layoutlm", "esm", "megatron-bert", "mobilebert", "squeezebert"))
+"""``model_type`` values of encoder-only models (masked LMs, embedders): refused as such even when their config
+names no architecture."""
 CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 """Architecture names of causal LMs (``...ForConditionalGeneration``: a multimodal model, served by its text
 model) as transformers names them; a config naming none of them (``BertForMaskedLM``) is another kind."""
@@ -134,6 +140,9 @@ def _refuse_kind(config: dict[str, Any], text: dict[str, Any], root: Path) -> No
         raise ModelError(f"model directory {root}: {', '.join(map(str, architectures))} is not a causal LM "
                          "(ringstream serves models whose architecture ends in ForCausalLM or LMHeadModel)")
     model_type = str(text.get("model_type") or config.get("model_type") or "")
+    if model_type in ENCODER_ONLY_TYPES:
+        raise ModelError(f"model directory {root}: {model_type} is an encoder-only model (not a causal LM); "
+                         "ringstream serves decoder-only causal LMs")
     reason = UNSUPPORTED_FAMILIES.get(model_type)
     layer_types = text.get("layer_types")
     if reason is None and isinstance(layer_types, list):
@@ -165,24 +174,35 @@ def resolve_model_dir(path: str | Path | None, max_model_len: int | None = None)
             it lacks ``tokenizer.json``; its config has no context length (and ``max_model_len`` is None), no
             vocabulary size or no end-of-sequence id; malformed JSON.
     """
-    root = Path(DEFAULT_MODEL_DIR if path is None else path).expanduser().resolve()
-    if not root.is_dir() and path is not None and HUB_ID.fullmatch(str(path)) and not Path(path).exists():
-        root = hub_snapshot(str(path))
-    if not root.is_dir():
-        raise ModelNotFound(f"model directory {root} does not exist or is not a directory (a Hugging Face model is "
-                         "named org/name, optionally @revision)")
-    config_path = root / CONFIG_FILE
-    if not config_path.is_file():
+    try:
+        root = Path(DEFAULT_MODEL_DIR if path is None else path).expanduser().resolve()
+        hub = not root.is_dir() and path is not None and hub_id(str(path)) is not None and not Path(path).exists()
+        if hub:
+            root = hub_snapshot(str(path))
+        if not root.is_dir():
+            raise ModelNotFound(f"model directory {root} does not exist or is not a directory (a Hugging Face model "
+                                "is named org/name, optionally @revision)")
+        config_path = root / CONFIG_FILE
+        has_config = config_path.is_file()
+    except OSError as exc:  # a name too long, a loop of links, a directory this user may not read
+        raise ModelError(f"model {str(path)[:200]!r}: {exc.strerror or exc}") from None
+    if not has_config:
         raise ModelError(f"model directory {root} has no {CONFIG_FILE}")
     full_config = _read_json(config_path)
     config = _text_config(full_config)
     _refuse_kind(full_config, config, root)
     if not (root / TOKENIZER_FILE).is_file():
-        raise ModelError(
-            f"model directory {root} has no {TOKENIZER_FILE}; ringstream needs a fast (tokenizers) tokenizer: "
-            f"python -c 'from transformers import AutoTokenizer; AutoTokenizer.from_pretrained(\"{root}\")"
-            f".save_pretrained(\"{root}\")' writes one where transformers can convert the model's own"
-        )
+        if hub:  # never write into the hub cache: convert into a copy of the user's own
+            copy = f"./{model_name(root).split('/')[-1]}"
+            advice = (f"its repo publishes none; make a local copy with one: cp -rL {root} {copy} && python -c "
+                      f"'from transformers import AutoTokenizer; AutoTokenizer.from_pretrained(\"{copy}\")"
+                      f".save_pretrained(\"{copy}\")' (where transformers can convert the model's own), then "
+                      f"serve --model {copy}")
+        else:
+            advice = (f"python -c 'from transformers import AutoTokenizer; AutoTokenizer.from_pretrained(\"{root}\")"
+                      f".save_pretrained(\"{root}\")' writes one where transformers can convert the model's own")
+        raise ModelError(f"model directory {root} has no {TOKENIZER_FILE}; ringstream needs a fast (tokenizers) "
+                         f"tokenizer: {advice}")
 
     max_len = next((config[k] for k in MAX_LENGTH_KEYS if k in config), None)
     if not _is_positive_int(max_len):
@@ -248,15 +268,43 @@ def check_tokenizer_vocab(tokenizer: Tokenizer, info: ModelInfo) -> None:
     """ModelError when the tokenizer can produce ids the model has no embedding for (``vocab_size`` of its
     config): every prompt holding one would fail, so the model is refused at start, both sizes named. A
     tokenizer smaller than the embedding (a padded vocabulary) is fine."""
-    size = tokenizer.get_vocab_size(with_added_tokens=True)
-    if size > info.vocab_size:
-        raise ModelError(f"model directory {info.path}: its tokenizer has {size} tokens (ids up to {size - 1}) "
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    top = max(vocab.values(), default=-1)  # ids need not be dense: the largest one counts, not how many
+    if top >= info.vocab_size:
+        raise ModelError(f"model directory {info.path}: its tokenizer has {len(vocab)} tokens with ids up to {top} "
                          f"but the model's vocab_size is {info.vocab_size}; the tokenizer and the weights belong "
                          "to different models")
 
 
 HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+)(?:@(?P<revision>[A-Za-z0-9_./-]+))?")
-"""A Hugging Face model id as users type it: ``org/name``, optionally ``@revision`` (a branch, tag or commit)."""
+"""A Hugging Face model id as users type it: ``org/name``, optionally ``@revision`` (a branch, tag or commit);
+:func:`hub_id` also refuses ``.`` and ``..`` parts."""
+
+
+def hub_id(name: str) -> re.Match | None:
+    """The :data:`HUB_ID` match of ``name``, or None when it is none or has a ``.`` or ``..`` part (``org/..``,
+    ``org/name@../..``: a path, never a hub id)."""
+    match = HUB_ID.fullmatch(name)
+    if match is None or any(part in (".", "..") for part in re.split(r"[/@]", name)):
+        return None
+    return match
+
+
+def _snapshot_gaps(snapshot: Path) -> list[str]:
+    """What a hub cache snapshot lacks of a servable model: ``config.json`` and the safetensors weights (every
+    shard its index names). A file whose blob is missing (a dangling link of an interrupted download) is
+    missing."""
+    gaps = [] if (snapshot / CONFIG_FILE).is_file() else [CONFIG_FILE]
+    index = snapshot / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return [*gaps, index.name]
+        gaps += [shard for shard in shards if not (snapshot / shard).is_file()]
+    elif not any(p.is_file() for p in snapshot.glob("*.safetensors")):
+        gaps.append("*.safetensors")
+    return gaps
 HUB_FILES = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
              "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
              "chat_template.json")
@@ -280,35 +328,52 @@ def hub_snapshot(name: str) -> Path:
     (``HF_HUB_OFFLINE``), downloaded into it with ``huggingface_hub`` from ``HF_ENDPOINT`` (default: the
     Hugging Face hub; the files of :data:`HUB_FILES` only, with its progress bars).
 
+    A snapshot that lacks the config or weights (:func:`_snapshot_gaps`: an interrupted download, or one of
+    the tokenizer alone) is not taken for the model: the download completes it.
+
     Raises:
-        ModelError: not cached and offline, or the download failed; the message gives the command that
-            fetches it.
+        ModelNotFound: not cached (or cached incomplete) and offline, or the download failed; the message gives
+            the command that fetches it.
+        ModelError: downloaded, and the repo publishes no safetensors weights.
     """
     from huggingface_hub import snapshot_download
 
-    match = HUB_ID.fullmatch(name)
+    match = hub_id(name)
     repo, revision = match["repo"], match["revision"]
     cache = hub_cache_dir()
     fetch = (f"hf download {repo}{f' --revision {revision}' if revision else ''} --include "
              + " ".join(f"'{pattern}'" for pattern in HUB_FILES))
+    gaps = None
     try:
-        return Path(snapshot_download(repo, revision=revision, cache_dir=cache, allow_patterns=list(HUB_FILES),
-                                      local_files_only=True))
+        snapshot = Path(snapshot_download(repo, revision=revision, cache_dir=cache, allow_patterns=list(HUB_FILES),
+                                          local_files_only=True))
     except Exception:  # huggingface_hub's LocalEntryNotFoundError: not cached
         pass
+    else:
+        gaps = _snapshot_gaps(snapshot)
+        if not gaps:
+            return snapshot
+        log.info("%s is in the Hugging Face cache %s without %s", name, snapshot, ", ".join(gaps))
+    where = (f"not in the Hugging Face cache {cache}" if gaps is None
+             else f"incomplete in the Hugging Face cache {cache} (no {', '.join(gaps)})")
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        raise ModelNotFound(f"{name} is not in the Hugging Face cache {cache} and HF_HUB_OFFLINE is set; fetch it "
+        raise ModelNotFound(f"{name} is {where} and HF_HUB_OFFLINE is set; fetch it "
                          f"on a host with network with: {fetch} (then copy that host's {cache} to this one's, or "
                          "set HF_HUB_CACHE to where the copy is; a gated model also needs hf auth login or "
                          "HF_TOKEN there)")
-    log.info("%s is not in the Hugging Face cache %s: downloading it", name, cache)
+    log.info("%s is %s: downloading it", name, where)
     try:
-        return Path(snapshot_download(repo, revision=revision, cache_dir=cache, allow_patterns=list(HUB_FILES),
-                                      endpoint=os.environ.get("HF_ENDPOINT") or None))
+        snapshot = Path(snapshot_download(repo, revision=revision, cache_dir=cache, allow_patterns=list(HUB_FILES),
+                                          endpoint=os.environ.get("HF_ENDPOINT") or None))
     except Exception as exc:  # network, unknown repo or revision, gated repo: huggingface_hub's own message
-        raise ModelNotFound(f"{name} is not in the Hugging Face cache {cache} and cannot be downloaded "
+        raise ModelNotFound(f"{name} is {where} and cannot be downloaded "
                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); fetch it "
                          f"with: {fetch}") from None
+    gaps = _snapshot_gaps(snapshot)
+    if gaps:
+        raise ModelError(f"{name}: its repo on the hub has no {', '.join(gaps)} (ringstream loads a config.json "
+                         "and safetensors weights; convert other weight formats with transformers' save_pretrained)")
+    return snapshot
 
 
 def model_name(path: str | Path) -> str:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import psutil
 import torch
 
+from ringstream.daemon.common.model_dir import ModelRefused
+
 __all__ = ["kv_cache_budget", "pool_blocks"]
 
 
@@ -63,11 +65,14 @@ def pool_blocks(model, config, max_model_len: int, device: torch.device, block_b
     sequences of ``max_model_len`` tokens (more would only feed the prefix cache).
 
     Raises:
-        ValueError: the pool cannot hold one sequence of ``max_model_len`` tokens (naming the largest that fits
-            and the bytes one would need).
+        ModelRefused: the pool sized by ``num_blocks`` or ``kv_cache_bytes`` cannot hold one sequence of
+            ``max_model_len`` tokens (naming the largest that fits and the bytes one would need): the settings
+            are at odds with the model, exit 2.
+        ValueError: the same for a pool sized from the free memory (exit 1: memory may be freed).
     """
     block_size = config.block_size
     num_blocks = config.num_blocks
+    sized_by_settings = num_blocks is not None or config.kv_cache_bytes is not None
     if num_blocks is None and config.kv_cache_bytes is not None:
         num_blocks = config.kv_cache_bytes // block_bytes
     elif num_blocks is None:
@@ -77,7 +82,7 @@ def pool_blocks(model, config, max_model_len: int, device: torch.device, block_b
     largest = max(num_blocks - 1, 0) * block_size
     if largest < max_model_len:
         needed = (-(-max_model_len // block_size) + 1) * block_bytes
-        raise ValueError(
+        raise (ModelRefused if sized_by_settings else ValueError)(
             f"the KV cache ({max(num_blocks - 1, 0)} usable blocks of {block_size} tokens, {block_bytes} bytes "
             f"each, plus the null block) cannot hold one sequence of max_model_len={max_model_len} tokens; the "
             f"largest that fits is {largest}: lower max_model_len, or give the KV cache at least {needed} bytes "

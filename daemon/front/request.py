@@ -115,6 +115,7 @@ class Request:
     """Its deadline timers (``Ports.call_later`` handles), cancelled when it ends."""
     queue_timer: object | None = None
     started: float = 0.0
+    served_on: int | None = None
     sched_token: int = 0
     kv_charge: int = 0
     prefix_hashes: list[bytes] | None = None

@@ -81,6 +81,8 @@ class Schedulable(Protocol):
     max_tokens: int
     worker: int | None
     started: float
+    served_on: int | None
+    """The worker that last counted it as served (so a request resumed there counts once)."""
     sched_token: int
     kv_charge: int
     preemptible: bool
@@ -344,7 +346,9 @@ class Scheduler:
         req.kv_charge = self.kv_tokens(req) if charge is None else charge
         worker.running += 1
         worker.kv_tokens_used += req.kv_charge
-        worker.served += 1
+        if req.served_on != worker.index:
+            worker.served += 1
+            req.served_on = worker.index
         req.worker = worker.index
         req.started = now
         self.running.add(req)

@@ -31,6 +31,7 @@ import gc
 import logging
 import os
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -166,7 +167,8 @@ class Front:
         loop.add_signal_handler(signal.SIGHUP, self.reload)
         tasks = []
         try:
-            self._setup()
+            validator = await self._load_model()
+            self._setup(validator)
             # Modules, model metadata and tokenizer live as long as the process: keep them out of the
             # collector's full passes, which would otherwise stall the loop for tens of ms each.
             gc.freeze()
@@ -181,8 +183,11 @@ class Front:
             tasks = [asyncio.create_task(coro) for coro in coros]
             await self.stopped_event.wait()
         except StartupError as exc:
-            log.error("start failed: %s", exc)
-            self.notifier.status(f"start failed: {exc}")
+            if exc.exit_code == 0:
+                log.info("%s", exc)
+            else:
+                log.error("start failed: %s", exc)
+                self.notifier.status(f"start failed: {exc}")
             self.core.exit_code = exc.exit_code
         finally:
             for task in tasks:
@@ -195,25 +200,64 @@ class Front:
         """Begin a graceful stop (signal handlers call this)."""
         self.core.request_stop(exit_code)
 
-    def _setup(self) -> None:
+    async def _load_model(self) -> Validator:
+        """Take the instance lock, then resolve the model (a hub id may download for minutes, or hang on a
+        silent network), read its tokenizer and check it, in a thread: a stop signal meanwhile ends the start
+        at once (exit 0), the download left to die with the process.
+
+        Raises:
+            StartupError: exit 1 when the model is not there (:class:`ModelNotFound`: a retry may find it),
+                2 when it is refused or a setting is at odds with it, 0 when stopped meanwhile.
+        """
         config = self.config
         rundir = runtime_dir()
         rundir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.lock = InstanceLock(rundir / f"{config.instance}.lock")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def load() -> None:
+            try:
+                model = resolve_model_dir(config.model, config.max_model_len)
+                if config.max_model_len is not None:
+                    if config.max_model_len > model.max_model_len:
+                        raise ValueError(f"max_model_len = {config.max_model_len} exceeds the model's context of "
+                                         f"{model.max_model_len} tokens")
+                    model = replace(model, max_model_len=config.max_model_len)
+                tokenizer = load_tokenizer(model)
+                check_tokenizer_vocab(tokenizer, model)  # before any worker loads the weights
+                result = (model, Validator(tokenizer, model))
+            except BaseException as exc:  # handed to the loop, which raises it
+                result = exc
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
+
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        self.notifier.status(f"starting: resolving the model {config.model or '(built-in)'}")
+        threading.Thread(target=load, name="ringstream-model", daemon=True).start()
+        stopped = asyncio.ensure_future(stop.wait())
         try:
-            self.model = resolve_model_dir(config.model, config.max_model_len)
-            if config.max_model_len is not None:
-                if config.max_model_len > self.model.max_model_len:
-                    raise ValueError(f"max_model_len = {config.max_model_len} exceeds the model's context of "
-                                     f"{self.model.max_model_len} tokens")
-                self.model = replace(self.model, max_model_len=config.max_model_len)
-            tokenizer = load_tokenizer(self.model)
-            check_tokenizer_vocab(tokenizer, self.model)  # before any worker loads the weights
-            validator = Validator(tokenizer, self.model)
-        except ModelNotFound as exc:
-            raise StartupError(str(exc)) from exc
-        except Exception as exc:  # the model refused, or a setting at odds with it: no retry fixes it
-            raise StartupError(str(exc), exit_code=2) from exc
+            await asyncio.wait([done, stopped], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.request_stop)
+        if not done.done():
+            raise StartupError(f"stopped while resolving the model {config.model}", exit_code=0)
+        result = done.result()
+        if isinstance(result, ModelNotFound):
+            raise StartupError(str(result)) from result
+        if isinstance(result, Exception):  # the model refused, or a setting at odds with it: no retry fixes it
+            raise StartupError(str(result), exit_code=2) from result
+        if isinstance(result, BaseException):
+            raise result
+        self.model, validator = result
+        return validator
+
+    def _setup(self, validator: Validator) -> None:
+        config = self.config
+        rundir = runtime_dir()
         soft, raised_from = ensure_open_files(open_files_needed(config.max_clients, len(self.devices)))
         if raised_from is not None:
             log.info("raised the open-file limit from %d to %d (max_clients = %d)",

@@ -81,6 +81,13 @@ class ServedModel:
     daemon_renders_chat: bool = False
     """The daemon takes ``messages`` and renders them with the model's template itself."""
 
+    @property
+    def root(self) -> str:
+        """The model as its user named it (``root`` of ``/v1/models``, as vLLM reports it): the hub id
+        ``org/name`` of a Hugging Face cache snapshot, else the model directory."""
+        hub = model_name(self.path)
+        return hub if hub != Path(self.path).name else self.path
+
 
 class HttpApi:
     """The aiohttp application's handlers over one daemon client.
@@ -184,7 +191,7 @@ class HttpApi:
 
     async def _check_model(self, requested: str | None) -> ServedModel:
         served = await self.served_model()
-        if requested and requested not in (served.name, served.path):
+        if requested and requested not in (served.name, served.path, served.root):
             raise S.ApiError(404, f"the model {requested!r} does not exist; this server serves {served.name!r}",
                              "invalid_request_error", "model", "model_not_found")
         return served
@@ -294,7 +301,7 @@ class HttpApi:
         return web.json_response({"version": __version__})
 
     def _card(self, served: ServedModel) -> R.ModelCard:
-        return R.ModelCard(id=served.name, created=G.now_s(), root=served.path, max_model_len=served.max_model_len)
+        return R.ModelCard(id=served.name, created=G.now_s(), root=served.root, max_model_len=served.max_model_len)
 
     async def models(self, request: web.Request) -> web.Response:
         served = await self.served_model()

@@ -167,12 +167,20 @@ def test_the_cli_says_permission_denied_for_a_socket_in_a_closed_folder():
     (["admin", "--instance", "x", "set", "k=v"], ["admin", "set", "--instance", "x", "k=v"]),
     (["--version"], ["--version"]),
     (["generate", "--max-tokens", "5", "x"], ["generate", "--max-tokens", "5", "x"]),
+    # an option's value is never the command: the status of instance "serve", a demo of model "serve"
+    (["--instance", "serve", "status"], ["status", "--instance", "serve"]),
+    (["--model", "demo", "serve"], ["serve", "--model", "demo"]),
+    (["--instance=serve", "status"], ["status", "--instance=serve"]),
+    (["--ignore-eos", "generate", "x"], ["generate", "--ignore-eos", "x"]),
+    (["admin", "--instance", "set", "set", "k=v"], ["admin", "set", "--instance", "set", "k=v"]),
+    (["--", "serve"], ["serve"]),
+    (["--instance", "x", "nonsense", "serve"], ["--instance", "x", "nonsense", "serve"]),  # left to the parser
 ])
 def test_options_before_their_command_are_moved_after_it(argv, expected):
     assert cli.reorder_options(argv) == expected
 
 
-def test_the_serve_flags_people_reach_for_become_settings(monkeypatch):
+def test_the_serve_flags_people_reach_for_become_settings(monkeypatch, tmp_path, capsys):
     seen = {}
     monkeypatch.setattr("ringstream.daemon.front.shell.serve", lambda config, path, overrides: seen.update(
         config=config, overrides=overrides) or 0)
@@ -188,3 +196,13 @@ def test_the_serve_flags_people_reach_for_become_settings(monkeypatch):
     assert seen["config"].api_key == "from-env"
     assert cli.main(["serve", "--api-key", "k", "--port", "1"]) == 0 and seen["config"].api_key == "k"
     assert cli.main(["serve", "--api-key", "k", "--api-key-file", "/etc/key", "--port", "1"]) == 2
+    # the environment's key yields to a key file, given as a flag or in the config, and to no HTTP at all
+    assert cli.main(["serve", "--api-key-file", "/etc/key", "--port", "1"]) == 0
+    assert (seen["config"].api_key, seen["config"].api_key_file) == (None, "/etc/key")
+    config_file = tmp_path / "ringstream.toml"
+    config_file.write_text('api_key_file = "/etc/key"\n')
+    assert cli.main(["serve", "--config", str(config_file), "--port", "1"]) == 0
+    assert (seen["config"].api_key, seen["config"].api_key_file) == (None, "/etc/key")
+    assert cli.main(["serve"]) == 0 and seen["config"].api_key is None
+    assert cli.main(["serve", "--port", "99999"]) == 2
+    assert "0 to 65535" in capsys.readouterr().err

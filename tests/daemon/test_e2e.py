@@ -414,3 +414,30 @@ def test_structured_outputs_over_zeromq(daemon):
         with pytest.raises(InvalidRequest, match="exactly one of"):
             client.complete("Convert", max_tokens=8, structured_outputs=P.StructuredOutputs())
         assert client.complete("Convert", max_tokens=4, ignore_eos=True).usage.completion_tokens == 4
+
+
+def test_a_stop_signal_ends_a_start_that_hangs_on_a_download(tmp_path):
+    """A hub id not cached, its download from an endpoint that accepts and never answers: SIGTERM ends the start
+    at once, exit 0, nothing left behind."""
+    import socket as sockets
+
+    silent = sockets.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepts connections (the kernel's backlog), never reads or answers
+    try:
+        env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_ENDPOINT=f"http://127.0.0.1:"
+                   f"{silent.getsockname()[1]}", HF_HUB_ETAG_TIMEOUT="600", HF_HUB_DOWNLOAD_TIMEOUT="600")
+        env.pop("HF_HUB_OFFLINE", None)
+        with running_daemon(tmp_path, "--engine", "synthetic", "--model", "acme/silent", ready=False,
+                            env=env) as d:
+            deadline = time.monotonic() + 60
+            while "downloading it" not in d.log() and d.proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert "downloading it" in d.log(), d.log()
+            time.sleep(0.5)
+            started = time.monotonic()
+            assert d.stop() == 0, d.log()
+            assert time.monotonic() - started < 5.0
+            assert "stopped while resolving the model acme/silent" in d.log()
+    finally:
+        silent.close()

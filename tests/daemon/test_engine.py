@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
+from ringstream.daemon.common.model_dir import ModelRefused
 from ringstream.daemon.engine.engine import (
     CapacityError,
     Engine,
@@ -581,13 +582,14 @@ def test_cache_geometry(tiny):
     assert engine.kv_cache_bytes == 10 * block_bytes(16)
 
     # Seven blocks (six usable) hold 96 tokens: too few for max_model_len=100.
-    with pytest.raises(ValueError, match=r"largest that fits is 96\b"):
+    # Sized by a setting, the refusal is final (exit 2, ModelRefused); from the free memory it may pass later.
+    with pytest.raises(ModelRefused, match=r"largest that fits is 96\b"):
         tiny.engine(max_model_len=100, num_blocks=7)
     with pytest.raises(ValueError, match=r"largest that fits is 96\b"):
         tiny.engine(max_model_len=100, kv_cache_bytes=8 * block_bytes(16) - 1)
     with pytest.raises(ValueError, match=r"largest that fits is 0\b"):
         tiny.engine(max_model_len=100, num_blocks=1)
-    with pytest.raises(ValueError, match=r"largest that fits is 0\b"):
+    with pytest.raises(ModelRefused, match=r"largest that fits is 0\b"):
         tiny.engine(max_model_len=100, kv_cache_bytes=0)
     with pytest.raises(ValueError):
         tiny.engine(max_model_len=config.max_position_embeddings + 1)

@@ -291,13 +291,21 @@ def test_make_model_smoke(tmp_path):
     assert generated.shape == (1, input_ids.shape[1] + 4)
 
 
-def _hub_cache(root: Path, repo: str, commit: str = "a" * 40, ref: str = "main") -> Path:
-    """A Hugging Face hub cache holding ``repo`` at ``commit`` (the layout huggingface_hub writes)."""
+HUB_MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                   "model.safetensors")
+
+
+def _hub_cache(root: Path, repo: str, commit: str = "a" * 40, ref: str = "main",
+               names: tuple[str, ...] = HUB_MODEL_FILES) -> Path:
+    """A Hugging Face hub cache holding ``repo`` at ``commit`` (the layout huggingface_hub writes: each file of
+    the snapshot a relative link to its blob)."""
     folder = root / f"models--{repo.replace('/', '--')}"
     snapshot = folder / "snapshots" / commit
     snapshot.mkdir(parents=True)
-    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        (snapshot / name).write_bytes((DEFAULT_MODEL_DIR / name).read_bytes())
+    (folder / "blobs").mkdir()
+    for i, name in enumerate(names):
+        (folder / "blobs" / f"{i:040x}").write_bytes((DEFAULT_MODEL_DIR / name).read_bytes())
+        (snapshot / name).symlink_to(f"../../blobs/{i:040x}")
     (folder / "refs").mkdir()
     (folder / "refs" / ref).write_text(commit)
     return snapshot
@@ -324,6 +332,59 @@ def test_a_hub_model_id_resolves_in_the_local_cache_offline(tmp_path, monkeypatc
         resolve_model_dir("acme/tiny-chat")
 
 
+def test_an_incomplete_cache_snapshot_is_not_taken_for_the_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    # the config and tokenizer alone (an interrupted download, or one of the tokenizer only): no weights
+    _hub_cache(tmp_path / "hub", "acme/partial", names=HUB_MODEL_FILES[:-1])
+    with pytest.raises(ModelNotFound, match=r"acme/partial is incomplete in the Hugging Face cache .*no "
+                                            r"\*\.safetensors.*hf download acme/partial"):
+        resolve_model_dir("acme/partial")
+    # a link whose blob is gone
+    snapshot = _hub_cache(tmp_path / "hub", "acme/dangling")
+    (snapshot / "config.json").resolve().unlink()
+    with pytest.raises(ModelNotFound, match="incomplete .*no config.json"):
+        resolve_model_dir("acme/dangling")
+    # a sharded model missing a shard its index names
+    snapshot = _hub_cache(tmp_path / "hub", "acme/sharded", names=HUB_MODEL_FILES[:-1])
+    (snapshot / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    (snapshot / "model-00001-of-00002.safetensors").write_bytes((DEFAULT_MODEL_DIR / "model.safetensors").read_bytes())
+    with pytest.raises(ModelNotFound, match="no model-00002-of-00002.safetensors"):
+        resolve_model_dir("acme/sharded")
+
+
+@pytest.mark.parametrize("name", ["acme/..", "acme/x@../..", "./x", "acme/.@main"])
+def test_dot_parts_make_a_path_never_a_hub_id(tmp_path, monkeypatch, name):
+    from ringstream.daemon.common.model_dir import hub_id
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    assert hub_id(name) is None
+    with pytest.raises(ModelError) as caught:
+        resolve_model_dir(name)
+    assert "Hugging Face cache" not in str(caught.value)
+
+
+def test_a_model_name_the_file_system_refuses_is_a_clear_refusal(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelError, match="File name too long") as caught:
+        resolve_model_dir("x" * 5000)
+    assert not isinstance(caught.value, ModelNotFound)
+
+
+def test_a_tokenizer_with_sparse_ids_is_judged_by_its_largest_id(tmp_path, default_info):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    sparse = Tokenizer(WordLevel({"<unk>": 0, "a": 1, "b": 1500}, unk_token="<unk>"))
+    assert sparse.get_vocab_size() == 3
+    with pytest.raises(ModelError, match="3 tokens with ids up to 1500 .* vocab_size is 1000"):
+        check_tokenizer_vocab(sparse, dataclasses.replace(default_info, vocab_size=1000))
+    check_tokenizer_vocab(sparse, dataclasses.replace(default_info, vocab_size=1501))
+
+
 def test_a_cache_snapshot_is_served_under_its_hub_id():
     from ringstream.daemon.common.model_dir import model_name
 
@@ -334,6 +395,7 @@ def test_a_cache_snapshot_is_served_under_its_hub_id():
 @pytest.mark.parametrize("config,words", [
     ({"architectures": ["BertForMaskedLM"], "model_type": "bert", "vocab_size": 10,
       "max_position_embeddings": 8}, "BertForMaskedLM is not a causal LM"),
+    ({"model_type": "bert", "vocab_size": 10, "max_position_embeddings": 8}, "bert is an encoder-only model"),
     ({"architectures": ["T5ForConditionalGeneration"], "model_type": "t5", "is_encoder_decoder": True,
       "vocab_size": 10}, "encoder-decoder"),
     ({"architectures": ["MambaForCausalLM"], "model_type": "mamba", "vocab_size": 10, "eos_token_id": 0},
@@ -365,6 +427,15 @@ def test_a_missing_tokenizer_is_answered_with_what_writes_one(tmp_path):
         resolve_model_dir(tmp_path)
 
 
+def test_a_hub_model_without_a_tokenizer_is_told_to_convert_into_a_copy(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    snapshot = _hub_cache(tmp_path / "hub", "acme/notok", names=("config.json", "model.safetensors"))
+    with pytest.raises(ModelError, match=r"cp -rL .* \./notok .*serve --model \./notok") as caught:
+        resolve_model_dir("acme/notok")
+    assert f'save_pretrained("{snapshot}")' not in str(caught.value)  # never into the cache
+
+
 def test_a_hub_model_not_cached_is_downloaded_with_a_causal_lms_files_only(tmp_path, monkeypatch):
     from tests.daemon.hub_standin import hub_standin
 
@@ -390,3 +461,19 @@ def test_a_hub_model_not_cached_is_downloaded_with_a_causal_lms_files_only(tmp_p
             resolve_model_dir("acme/nope")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # from the cache now, the stand-in gone
     assert resolve_model_dir("acme/tiny").path == info.path
+
+
+def test_an_incomplete_cache_snapshot_is_completed_when_online(tmp_path, monkeypatch):
+    from tests.daemon.hub_standin import hub_standin
+    import huggingface_hub.constants
+
+    files = {name: (DEFAULT_MODEL_DIR / name).read_bytes() for name in HUB_MODEL_FILES}
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    snapshot = _hub_cache(tmp_path / "cache", "acme/half", commit="c" * 40, names=HUB_MODEL_FILES[:-1])
+    with hub_standin("acme/half", files) as (endpoint, requests):
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        info = resolve_model_dir("acme/half")
+    assert info.path == snapshot.resolve() and (snapshot / "model.safetensors").is_file()
+    assert ("GET", "/acme/half/resolve/" + "c" * 40 + "/model.safetensors") in requests

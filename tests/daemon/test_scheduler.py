@@ -20,6 +20,7 @@ class FakeRequest:
         self.max_tokens = max_tokens
         self.worker = None
         self.started = 0.0
+        self.served_on = None
         self.sched_token = 0
         self.kv_charge = 0
         self.preemptible = True
@@ -167,6 +168,10 @@ def test_preemption_picks_least_urgent_most_recent_and_only_when_strictly_more_u
     assert started(sched) == [urgent]
     sched.requeue(new10)
     assert sched.waiting() == [new10]
+    assert sched.workers[0].served == 4  # each request once
+    sched.finished(urgent)
+    assert started(sched) == [new10]
+    assert sched.workers[0].served == 4, "a request resumed where it ran counts once"
 
 
 def test_no_preemption_when_switched_off_or_when_capacity_is_free():

@@ -238,3 +238,11 @@ def test_logprobs_bodies_from_token_logprobs():
 def test_a_daemon_refusal_names_the_param_it_is_about(message, param):
     error = S.api_error_from(E.InvalidRequest(message, "r1"))
     assert (error.status, error.body()["error"]["param"]) == (400, param)
+
+
+def test_a_hub_snapshot_is_reported_by_its_hub_id():
+    from ringstream.daemon.http.routes import ServedModel
+
+    snapshot = "/c/hub/models--acme--tiny-chat/snapshots/" + "a" * 40
+    assert ServedModel("acme/tiny-chat", snapshot, 64, None).root == "acme/tiny-chat"
+    assert ServedModel("tiny", "/srv/models/tiny", 64, None).root == "/srv/models/tiny"

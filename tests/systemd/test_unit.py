@@ -254,11 +254,17 @@ def test_example_config_is_valid_and_shows_the_defaults():
             continue
         key, value = match.groups()
         assert key in Config.__struct_fields__, f"example key {key!r} is not a config field"
-        parsed = load_config(None, **msgspec.toml.decode(f"{key} = {value}".encode()))
+        setting = msgspec.toml.decode(f"{key} = {value}".encode())
+        if key in EXAMPLE_NOT_DEFAULT:  # of the right type (alone it may need another setting: api_key, http)
+            msgspec.convert(setting, Config)
+            continue
+        parsed = load_config(None, **setting)
         if key not in EXAMPLE_NOT_DEFAULT:
             assert getattr(parsed, key) == getattr(defaults, key), f"example {key} = {value} is not the default"
         shown += 1
     assert shown >= 10
+    unset = [key for key in Config.__struct_fields__ if getattr(defaults, key) is None]
+    assert sorted(EXAMPLES) == sorted(unset), "each setting unset by default needs a value to uncomment"
     text = EXAMPLE_CONFIG.read_text()
     missing = [key for key in Config.__struct_fields__ if not re.search(rf"^#\s*{key}\b", text, re.M)]
     assert not missing, f"the example config lacks {missing}: every setting belongs in it"

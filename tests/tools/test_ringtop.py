@@ -701,3 +701,18 @@ def test_live_serving_view_quits_on_q_and_restores_the_terminal(synthetic_daemon
             proc.send_signal(signal.SIGINT)
             assert proc.wait(LIVE_EXIT_S) == 0, output.text()
             assert termios.tcgetattr(terminal) == before
+
+
+@pytest.mark.parametrize("phase", ["starting", "importing torch", "loading weights", "sizing the KV cache",
+                                   "warming up"])
+def test_a_starting_workers_phase_is_shown_whole_in_80_columns(phase) -> None:
+    from ringstream.tools.ringtop_serving import PHASE_LABELS
+
+    worker = P.WorkerStatus(index=0, device="cuda:0", pid=7, alive=True, running=0, max_num_seqs=0, max_model_len=0,
+                            kv_cache_tokens=0, kv_cache_tokens_used=0, ring_fill=0.0, requests_served=0, phase=phase,
+                            phase_s=3.0)
+    reply = P.StatusReply(version="1", ready=False, state="starting", uptime_s=3.0, waiting=0, running=0,
+                          queue_size=10, max_concurrency=4, requests_total=0, tokens_generated_total=0,
+                          workers=[worker])
+    [row] = [line for line in rendered(reply, 80) if line.lstrip().startswith("0 ")]
+    assert PHASE_LABELS.get(phase, phase) in row and "…" not in row, row
