@@ -90,6 +90,7 @@ def fuse_elementwise(model: nn.Module, ops) -> int:
         elif (isinstance(getattr(module, "gate_proj", None), FusedLinearSlice)
               and isinstance(getattr(module, "up_proj", None), FusedLinearSlice)
               and module.gate_proj.group is module.up_proj.group
+              and module.gate_proj.group.packed.dtype == torch.float32  # the native SiLU-and-mul: float32 only
               and (module.gate_proj.index, module.up_proj.index) == (0, 1)
               and module.gate_proj.out_features == module.up_proj.out_features
               and _is_silu(getattr(module, "act_fn", None)) and _same_forward(cls, "mlp")):

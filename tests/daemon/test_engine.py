@@ -585,9 +585,9 @@ def test_cache_geometry(tiny):
     # Sized by a setting, the refusal is final (exit 2, ModelRefused); from the free memory it may pass later.
     with pytest.raises(ModelRefused, match=r"largest that fits is 96\b"):
         tiny.engine(max_model_len=100, num_blocks=7)
-    with pytest.raises(ValueError, match=r"largest that fits is 96\b"):
+    with pytest.raises(ModelRefused, match=r"largest that fits is 96\b"):
         tiny.engine(max_model_len=100, kv_cache_bytes=8 * block_bytes(16) - 1)
-    with pytest.raises(ValueError, match=r"largest that fits is 0\b"):
+    with pytest.raises(ModelRefused, match=r"largest that fits is 0\b"):
         tiny.engine(max_model_len=100, num_blocks=1)
     with pytest.raises(ModelRefused, match=r"largest that fits is 0\b"):
         tiny.engine(max_model_len=100, kv_cache_bytes=0)

@@ -168,6 +168,61 @@ def test_native_linear_is_as_accurate_as_linear(ops, panel, rows, out_features, 
         assert (got.double() - exact).abs().max().item() <= 4 * torch_error + 1e-6
 
 
+def bf16_layouts(ops) -> list[int]:
+    """The bfloat16 panel layouts this host runs: 48 (widened to float32) on AVX-512 hosts, 96 (k-pairs for
+    VDPBF16PS) where it also has AVX512_BF16."""
+    layouts = []
+    for panel in (48, 96):
+        try:
+            ops.pack_linear_weight(torch.zeros(1, 1, dtype=torch.bfloat16), panel)
+            layouts.append(panel)
+        except RuntimeError:
+            pass
+    return layouts
+
+
+@pytest.mark.parametrize("layout", [48, 96])
+@pytest.mark.parametrize("rows", [1, 7, 16, 97])
+@pytest.mark.parametrize("in_features", [67, 64])
+@pytest.mark.parametrize("out_features,bias", [(1, True), (50, False), (96, True), (1000, True)])
+def test_native_bfloat16_linear_is_the_float32_sum_rounded_once(ops, layout, rows, in_features, out_features, bias):
+    if layout not in bf16_layouts(ops):
+        pytest.skip(f"bfloat16 panels of {layout} need AVX-512{' with AVX512_BF16' if layout == 96 else ''}")
+    torch.manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features).bfloat16()
+    b = torch.randn(out_features).bfloat16() if bias else None
+    x = torch.randn(rows, in_features).bfloat16()
+    packed = ops.pack_linear_weight(weight, layout)
+    steps = in_features if layout == 48 else (in_features + 1) // 2
+    assert packed.dtype == torch.bfloat16 and packed.shape == ((out_features + 47) // 48, steps, layout)
+    assert ops.pack_linear_weight(weight).size(2) == bf16_layouts(ops)[-1]  # the host's best by default
+    got = ops.packed_linear(x, packed, b, out_features)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    # every output is a float32 sum rounded to bfloat16 once: within one bfloat16 rounding of the exact value
+    # (relative 2^-8) plus the float32 sum's own error
+    bound = exact.abs() * 2.0 ** -8 + (x.double().abs() @ weight.double().abs().T) * 1e-6
+    assert bool(((got.double() - exact).abs() <= bound).all())
+
+
+def test_bfloat16_models_pack_their_linears_and_keep_their_logits(ops):
+    if not bf16_layouts(ops):
+        pytest.skip("bfloat16 weights need AVX-512")
+    from ringstream.daemon.engine.fused import fuse_elementwise
+
+    torch.manual_seed(3)
+    mlp = nn.Sequential(nn.Linear(64, 200), nn.Linear(200, 64, bias=False)).bfloat16()
+    x = torch.randn(9, 64).bfloat16()
+    want = mlp(x)
+    assert pack_linears(mlp, ops) == 2
+    assert mlp[0].packed.dtype == torch.bfloat16
+    with torch.inference_mode():
+        got = mlp(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+    assert fuse_elementwise(mlp, ops) == 0  # the native elementwise kernels are float32 only
+
+
 def test_native_linear_takes_any_leading_shape_and_strides(ops):
     torch.manual_seed(1)
     weight, bias = torch.randn(40, 24), torch.randn(40)
@@ -182,17 +237,21 @@ def test_native_linear_refuses_what_it_cannot_compute(ops):
     packed = ops.pack_linear_weight(torch.randn(20, 8), 24)  # one panel: 40 features do not fit
     with pytest.raises(RuntimeError, match="last dimension must be 8"):
         ops.packed_linear(torch.randn(3, 9), packed, None, 20)
-    with pytest.raises(RuntimeError, match="float32 only"):
+    with pytest.raises(RuntimeError, match="input and weight alike"):
         ops.packed_linear(torch.randn(3, 8, dtype=torch.bfloat16), packed, None, 20)
     with pytest.raises(RuntimeError, match="do not fit"):
         ops.packed_linear(torch.randn(3, 8), packed, None, 40)
     with pytest.raises(RuntimeError, match="bias must be float32"):
         ops.packed_linear(torch.randn(3, 8), packed, torch.randn(19), 20)
-    with pytest.raises(RuntimeError, match="float32 only"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 only"):
         ops.pack_linear_weight(torch.randn(4, 4, dtype=torch.float16))
-    with pytest.raises(RuntimeError, match="24 or 48 columns wide, got 32"):
+    with pytest.raises(RuntimeError, match="bfloat16 weight needs 48-column panels"):
+        ops.pack_linear_weight(torch.randn(4, 4, dtype=torch.bfloat16), 24)
+    with pytest.raises(RuntimeError, match="hold bfloat16 weights only"):
+        ops.pack_linear_weight(torch.randn(4, 4), 96)
+    with pytest.raises(RuntimeError, match="24 or 48 columns wide .*got 32"):
         ops.pack_linear_weight(torch.randn(4, 4), 32)
-    with pytest.raises(RuntimeError, match="24 or 48 columns wide, got 16"):
+    with pytest.raises(RuntimeError, match="24 or 48 columns wide .*got 16"):
         ops.packed_linear(torch.randn(3, 4), torch.randn(1, 4, 16), None, 16)
 
 

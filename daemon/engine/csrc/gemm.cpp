@@ -24,18 +24,23 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <optional>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define RINGSTREAM_X86 1
 // The AVX-512 code's own target: compiled for it whatever the library's flags, run only after host_has_avx512().
-#define RINGSTREAM_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,fma")))
+// AVX512_BF16 is in it for VDPBF16PS alone (Bf16Pairs, run only after host_has_avx512_bf16()); the compiler emits
+// none of its three instructions on its own.
+#define RINGSTREAM_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,fma")))
 #endif
 
 namespace {
@@ -59,6 +64,20 @@ bool host_has_avx512() {
 }
 
 int64_t host_panel() { return host_has_avx512() ? kPanelAvx512 : kPanelAvx2; }
+
+bool host_has_avx512_bf16() {
+#ifdef RINGSTREAM_X86
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return host_has_avx512() && __builtin_cpu_supports("avx512bf16");
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
+constexpr int64_t kPairPanel = 2 * kPanelAvx512;  // a bfloat16 panel of k-pairs: 48 columns x 2 k per row
 
 // Software prefetches of a microkernel, by the place of its row block in a panel's pass (rows of one task):
 // the first block reads the panel from memory and fetches kAheadRows k-rows ahead into L1; the last block
@@ -165,34 +184,82 @@ void panel24(int64_t rows, const float* x, int64_t K, const float* w, float* y, 
 
 #ifdef RINGSTREAM_X86
 
-template <int MR, int FETCH>
-RINGSTREAM_AVX512 inline void microkernel48(const float* x, int64_t ldx, const float* w, int64_t K, float* y,
-                                            int64_t ldy, const float* bias, int64_t cols, const float* next) {
+// How an AVX-512 microkernel reads a panel and x: the weights of one k-step (kRow elements of W, V vectors of
+// kLane), the x value(s) of a row broadcast, and the FMA. Three kinds:
+// - Float32: float32 weights and x (48 columns per k, one FMA per column).
+// - Bf16Widened: bfloat16 weights widened to float32 as they are loaded (bfloat16 is the top half of a float32:
+//   exact), float32 x: half the bytes streamed, float32 arithmetic; every AVX-512 host.
+// - Bf16Pairs: bfloat16 weights packed as pairs of consecutive k (48 columns x 2 per k-step) and bfloat16 x, by
+//   AVX512_BF16's VDPBF16PS (acc += x[2k] w[2k] + x[2k+1] w[2k+1] per column, float32 accumulation): twice the
+//   products per instruction of the float32 FMA, for the prompt chunks' compute-bound GEMMs.
+struct Float32 {
+  using W = float;
+  using X = float;
+  using Vec = __m512;
+  using XB = __m512;
+  static constexpr int64_t kRow = kPanelAvx512, kLane = 16;
+  RINGSTREAM_AVX512 static Vec load(const W* p) { return _mm512_loadu_ps(p); }
+  RINGSTREAM_AVX512 static XB broadcast(const X* x, int64_t k) { return _mm512_set1_ps(x[k]); }
+  RINGSTREAM_AVX512 static __m512 fma(__m512 acc, XB x, Vec w) { return _mm512_fmadd_ps(x, w, acc); }
+};
+
+struct Bf16Widened : Float32 {
+  using W = c10::BFloat16;
+  RINGSTREAM_AVX512 static Vec load(const W* p) {
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+  }
+};
+
+struct Bf16Pairs {
+  using W = c10::BFloat16;
+  using X = c10::BFloat16;
+  using Vec = __m512i;
+  using XB = __m512i;
+  static constexpr int64_t kRow = 2 * kPanelAvx512, kLane = 32;
+  RINGSTREAM_AVX512 static Vec load(const W* p) { return _mm512_loadu_si512(p); }
+  RINGSTREAM_AVX512 static XB broadcast(const X* x, int64_t k) {
+    int32_t pair;
+    std::memcpy(&pair, x + 2 * k, sizeof(pair));
+    return _mm512_set1_epi32(pair);
+  }
+  RINGSTREAM_AVX512 static __m512 fma(__m512 acc, XB x, Vec w) {
+    return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(x), reinterpret_cast<__m512bh>(w));
+  }
+};
+
+// y[r, c] (+ bias) for MR rows of x (row stride ldx, in X elements) and one panel: K k-steps (pairs of k for
+// Bf16Pairs) of kRow weights each.
+template <int MR, int FETCH, typename S>
+RINGSTREAM_AVX512 inline void microkernel48(const typename S::X* x, int64_t ldx, const typename S::W* w, int64_t K,
+                                            float* y, int64_t ldy, const float* bias, int64_t cols,
+                                            const typename S::W* next) {
   constexpr int V = kPanelAvx512 / 16;
+  constexpr int64_t R = S::kRow, L = S::kLane;
   __m512 acc[MR][V];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    __m512 wv[V];
+    typename S::Vec wv[V];
 #pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) wv[v] = _mm512_loadu_ps(w + k * kPanelAvx512 + 16 * v);
+    for (int v = 0; v < V; ++v) wv[v] = S::load(w + k * R + L * v);
     if constexpr ((FETCH & kFetchAhead) != 0) {
 #pragma GCC unroll 4
       for (int v = 0; v < V; ++v)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (k + kAheadRows) * kPanelAvx512 + 16 * v), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w + (k + kAheadRows) * R + L * v), _MM_HINT_T0);
     }
     if constexpr ((FETCH & kFetchNext) != 0) {
 #pragma GCC unroll 4
       for (int v = 0; v < V; ++v)
-        _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanelAvx512 + 16 * v), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(next + k * R + L * v), _MM_HINT_T1);
     }
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+      const typename S::XB xv = S::broadcast(x + r * ldx, k);
 #pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(xv, wv[v], acc[r][v]);
+      for (int v = 0; v < V; ++v) acc[r][v] = S::fma(acc[r][v], xv, wv[v]);
     }
   }
   __mmask16 mask[V];  // the columns this panel has (the last panel of a weight may be partial)
@@ -209,117 +276,112 @@ RINGSTREAM_AVX512 inline void microkernel48(const float* x, int64_t ldx, const f
                             bias ? _mm512_add_ps(acc[r][v], _mm512_loadu_ps(bias + 16 * v)) : acc[r][v]);
 }
 
-template <int MR>
-RINGSTREAM_AVX512 void block48(int fetch, const float* x, int64_t K, const float* w, float* y, int64_t N,
-                               const float* bias, int64_t cols, const float* next) {
+template <int MR, typename S>
+RINGSTREAM_AVX512 void block48(int fetch, const typename S::X* x, int64_t ldx, const typename S::W* w, int64_t K,
+                               float* y, int64_t N, const float* bias, int64_t cols, const typename S::W* next) {
   switch (fetch) {
-    case 0: return microkernel48<MR, 0>(x, K, w, K, y, N, bias, cols, next);
-    case kFetchAhead: return microkernel48<MR, kFetchAhead>(x, K, w, K, y, N, bias, cols, next);
-    case kFetchNext: return microkernel48<MR, kFetchNext>(x, K, w, K, y, N, bias, cols, next);
-    default: return microkernel48<MR, kFetchAhead | kFetchNext>(x, K, w, K, y, N, bias, cols, next);
+    case 0: return microkernel48<MR, 0, S>(x, ldx, w, K, y, N, bias, cols, next);
+    case kFetchAhead: return microkernel48<MR, kFetchAhead, S>(x, ldx, w, K, y, N, bias, cols, next);
+    case kFetchNext: return microkernel48<MR, kFetchNext, S>(x, ldx, w, K, y, N, bias, cols, next);
+    default: return microkernel48<MR, kFetchAhead | kFetchNext, S>(x, ldx, w, K, y, N, bias, cols, next);
   }
 }
 
-// rows [0, rows) of x [rows, K] (row stride K) times one panel -> y (row stride N), cols of the panel's columns;
+// rows [0, rows) of x [rows, ldx] times one panel of K k-steps -> y (row stride N), cols of the panel's columns;
 // next: the panel this task computes after it, or null.
-RINGSTREAM_AVX512 void panel48(int64_t rows, const float* x, int64_t K, const float* w, float* y, int64_t N,
-                               const float* bias, int64_t cols, const float* next) {
+template <typename S>
+RINGSTREAM_AVX512 void panel48(int64_t rows, const typename S::X* x, int64_t ldx, const typename S::W* w, int64_t K,
+                               float* y, int64_t N, const float* bias, int64_t cols, const typename S::W* next) {
   static_assert(kRowsAvx512 == 8, "the tail below covers 1 to 7 rows");
   int64_t m = 0;
   for (; m + kRowsAvx512 <= rows; m += kRowsAvx512)
-    block48<kRowsAvx512>(fetch_flags(m, rows, kRowsAvx512, next != nullptr), x + m * K, K, w, y + m * N, N, bias,
-                         cols, next);
+    block48<kRowsAvx512, S>(fetch_flags(m, rows, kRowsAvx512, next != nullptr), x + m * ldx, ldx, w, K, y + m * N, N,
+                            bias, cols, next);
   const int fetch = fetch_flags(m, rows, rows - m, next != nullptr);
-  x += m * K, y += m * N;
+  x += m * ldx, y += m * N;
   switch (rows - m) {
-    case 7: return block48<7>(fetch, x, K, w, y, N, bias, cols, next);
-    case 6: return block48<6>(fetch, x, K, w, y, N, bias, cols, next);
-    case 5: return block48<5>(fetch, x, K, w, y, N, bias, cols, next);
-    case 4: return block48<4>(fetch, x, K, w, y, N, bias, cols, next);
-    case 3: return block48<3>(fetch, x, K, w, y, N, bias, cols, next);
-    case 2: return block48<2>(fetch, x, K, w, y, N, bias, cols, next);
-    case 1: return block48<1>(fetch, x, K, w, y, N, bias, cols, next);
+    case 7: return block48<7, S>(fetch, x, ldx, w, K, y, N, bias, cols, next);
+    case 6: return block48<6, S>(fetch, x, ldx, w, K, y, N, bias, cols, next);
+    case 5: return block48<5, S>(fetch, x, ldx, w, K, y, N, bias, cols, next);
+    case 4: return block48<4, S>(fetch, x, ldx, w, K, y, N, bias, cols, next);
+    case 3: return block48<3, S>(fetch, x, ldx, w, K, y, N, bias, cols, next);
+    case 2: return block48<2, S>(fetch, x, ldx, w, K, y, N, bias, cols, next);
+    case 1: return block48<1, S>(fetch, x, ldx, w, K, y, N, bias, cols, next);
     default: return;
   }
 }
 
 #else
 
-void panel48(int64_t, const float*, int64_t, const float*, float*, int64_t, const float*, int64_t, const float*) {
+struct Float32 { using W = float; using X = float; };
+struct Bf16Widened { using W = c10::BFloat16; using X = float; };
+struct Bf16Pairs { using W = c10::BFloat16; using X = c10::BFloat16; };
+
+template <typename S>
+void panel48(int64_t, const typename S::X*, int64_t, const typename S::W*, int64_t, float*, int64_t, const float*,
+             int64_t, const typename S::W*) {
   TORCH_CHECK(false, "packed_linear: 48-column panels need AVX-512");
 }
 
 #endif
 
-void check_panel(int64_t panel, const char* op) {
-  TORCH_CHECK(panel == kPanelAvx2 || panel == kPanelAvx512, op, ": panels are ", kPanelAvx2, " or ", kPanelAvx512,
-              " columns wide, got ", panel);
-  TORCH_CHECK(panel != kPanelAvx512 || host_has_avx512(), op, ": 48-column panels need AVX-512, which this CPU ",
+// panel: 24 or 48 columns (float32 or widened bfloat16), or kPairPanel (bfloat16 k-pairs of 48 columns).
+void check_panel(int64_t panel, bool bf16, const char* op) {
+  TORCH_CHECK(panel == kPanelAvx2 || panel == kPanelAvx512 || panel == kPairPanel, op, ": panels are ", kPanelAvx2,
+              " or ", kPanelAvx512, " columns wide (", kPairPanel, ": bfloat16 pairs of ", kPanelAvx512, "), got ",
+              panel);
+  TORCH_CHECK(panel == kPanelAvx2 || host_has_avx512(), op, ": ", panel, "-wide panels need AVX-512, which this CPU ",
               "does not have");
+  TORCH_CHECK(!bf16 || panel != kPanelAvx2, op, ": a bfloat16 weight needs ", kPanelAvx512,
+              "-column panels (AVX-512)");
+  TORCH_CHECK(bf16 || panel != kPairPanel, op, ": ", kPairPanel, "-wide panels hold bfloat16 weights only");
+  TORCH_CHECK(panel != kPairPanel || host_has_avx512_bf16(), op, ": bfloat16 pair panels need AVX512_BF16, which "
+              "this CPU does not have");
 }
 
-// weight [N, K] float32 -> panels [ceil(N / P), K, P], the last one zero-padded; panel 0 is the host's best.
+// panels [ceil(N / C), S, C * G] of w [N, K]: C columns per panel, G consecutive k per column in a row (G = 1:
+// row k holds W[:, k]; G = 2: row s holds W[c, 2s] and W[c, 2s + 1] side by side), zero-padded in N and K.
+template <typename T>
+void pack_panels(const at::Tensor& w, at::Tensor& packed, int64_t C, int64_t G) {
+  const int64_t N = w.size(0), K = w.size(1), panels = packed.size(0), S = packed.size(1);
+  const T* src = w.data_ptr<T>();
+  T* dst = packed.data_ptr<T>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t j = 0; j < C && p * C + j < N; ++j)
+        for (int64_t k = 0; k < K; ++k) dst[((p * S + k / G) * C + j) * G + k % G] = src[(p * C + j) * K + k];
+  });
+}
+
+// weight [N, K] -> panels [ceil(N / C), S, P]: float32 as 24- or 48-column panels (P = C, S = K); bfloat16 as
+// 48-column panels of k-pairs where the host has AVX512_BF16 (P = 96, S = ceil(K / 2)), else widened as it is
+// read (P = 48, S = K; AVX-512 hosts only). panel 0: the host's best for the weight's dtype.
 at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t panel) {
   TORCH_CHECK(weight.dim() == 2, "pack_linear_weight: weight must be [out_features, in_features], got ",
               weight.sizes());
-  TORCH_CHECK(weight.scalar_type() == at::kFloat, "pack_linear_weight: float32 only, got ", weight.scalar_type());
-  const int64_t P = panel == 0 ? host_panel() : panel;
-  check_panel(P, "pack_linear_weight");
-  const int64_t N = weight.size(0), K = weight.size(1), panels = (N + P - 1) / P;
-  at::Tensor packed = at::zeros({panels, K, P}, weight.options());
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || bf16, "pack_linear_weight: float32 or bfloat16 only, got ",
+              weight.scalar_type());
+  const int64_t P = panel != 0 ? panel : !bf16 ? host_panel() : host_has_avx512_bf16() ? kPairPanel : kPanelAvx512;
+  check_panel(P, bf16, "pack_linear_weight");
+  const int64_t G = P == kPairPanel ? 2 : 1, C = P / G;
+  const int64_t N = weight.size(0), K = weight.size(1), panels = (N + C - 1) / C;
+  at::Tensor packed = at::zeros({panels, (K + G - 1) / G, P}, weight.options());
   const at::Tensor w = weight.contiguous();
-  const float* src = w.data_ptr<float>();
-  float* dst = packed.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t j = 0; j < P && p * P + j < N; ++j)
-        for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * P + j] = src[(p * P + j) * K + k];
-  });
+  if (bf16) {
+    pack_panels<c10::BFloat16>(w, packed, C, G);
+  } else {
+    pack_panels<float>(w, packed, C, G);
+  }
   return packed;
 }
 
-// x [..., K] float32, packed from pack_linear_weight of a [N, K] weight, bias [N] or None -> [..., N].
-at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
-                         int64_t out_features) {
-  TORCH_CHECK(input.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
-              "packed_linear: float32 only, got ", input.scalar_type(), " and ", packed.scalar_type());
-  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous(), "packed_linear: the weight must come from pack_linear_weight");
-  const int64_t P = packed.size(2);
-  check_panel(P, "packed_linear");
-  const int64_t K = packed.size(1), N = out_features, panels = packed.size(0);
-  TORCH_CHECK(input.dim() >= 1 && input.size(-1) == K, "packed_linear: input's last dimension must be ", K,
-              ", got ", input.sizes());
-  TORCH_CHECK(N > (panels - 1) * P && N <= panels * P, "packed_linear: ", N, " output features do not fit ", panels,
-              " panels");
-  const float* b = nullptr;
-  at::Tensor bias_c;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->numel() == N,
-                "packed_linear: bias must be float32 [", N, "], got ", bias->scalar_type(), " ", bias->sizes());
-    if (N % P == 0) {
-      bias_c = bias->contiguous();
-    } else {  // padded to whole panels, so the microkernel reads P values for the last one too
-      bias_c = at::zeros({panels * P}, bias->options());
-      bias_c.narrow(0, 0, N).copy_(*bias);
-    }
-    b = bias_c.data_ptr<float>();
-  }
-  const at::Tensor x = input.contiguous();
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  at::Tensor out = at::empty(shape, x.options());
-  if (K == 0) {  // an empty sum: the bias alone
-    out.zero_();
-    if (b != nullptr) out.add_(bias_c.narrow(0, 0, N));
-    return out;
-  }
-  const int64_t M = x.numel() / K;
-  if (M == 0 || N == 0) return out;
-  const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  float* yp = out.data_ptr<float>();
-  const int64_t rows = P == kPanelAvx512 ? kRowsAvx512 : kRowsAvx2;
-  const auto panel_rows = P == kPanelAvx512 ? panel48 : panel24;
+// y [M, N] = x [M, ldx] times the panels (C columns and S rows of P weights each; and bias), split into tasks of
+// one panel over a block of rows.
+template <typename X, typename W, typename PanelRows>
+void run_panels(const X* xp, int64_t ldx, const W* wp, int64_t S, int64_t P, int64_t C, float* yp, const float* b,
+                int64_t M, int64_t N, int64_t panels, PanelRows panel_rows) {
+  const int64_t rows = C == kPanelAvx512 ? kRowsAvx512 : kRowsAvx2;
   const int64_t wanted = (4 * at::get_num_threads() + panels - 1) / panels;
   const int64_t row_block = ((M + wanted - 1) / wanted + rows - 1) / rows * rows;  // whole microkernels
   const int64_t row_blocks = (M + row_block - 1) / row_block;
@@ -327,13 +389,83 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed, cons
     for (int64_t task = begin; task < end; ++task) {
       const int64_t p = task % panels, m = (task / panels) * row_block, m_end = std::min(M, m + row_block);
       // the panel this thread computes next: the next task's, where this range holds it
-      const float* next = task + 1 < end ? wp + ((task + 1) % panels) * K * P : nullptr;
-      panel_rows(m_end - m, xp + m * K, K, wp + p * K * P, yp + m * N + p * P, N, b ? b + p * P : nullptr,
-                 std::min(P, N - p * P), next);
+      const W* next = task + 1 < end ? wp + ((task + 1) % panels) * S * P : nullptr;
+      panel_rows(m_end - m, xp + m * ldx, ldx, wp + p * S * P, S, yp + m * N + p * C, N, b ? b + p * C : nullptr,
+                 std::min(C, N - p * C), next);
     }
   });
-  return out;
 }
+
+// x [..., K] float32, packed from pack_linear_weight of a [N, K] weight, bias [N] or None -> [..., N]. A bfloat16
+// weight takes a bfloat16 x (and bias): each output one float32 sum over k in order of exact products (the
+// bfloat16 values widened, or VDPBF16PS's pairs), rounded to bfloat16 once, at the end.
+at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                         int64_t out_features) {
+  const bool bf16 = packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((input.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat) ||
+              (input.scalar_type() == at::kBFloat16 && bf16),
+              "packed_linear: float32 or bfloat16 (input and weight alike), got ", input.scalar_type(), " and ",
+              packed.scalar_type());
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous(), "packed_linear: the weight must come from pack_linear_weight");
+  const int64_t P = packed.size(2);
+  check_panel(P, bf16, "packed_linear");
+  const bool pairs = P == kPairPanel;
+  const int64_t C = pairs ? kPanelAvx512 : P, S = packed.size(1), N = out_features, panels = packed.size(0);
+  TORCH_CHECK(input.dim() >= 1 && (pairs ? (input.size(-1) + 1) / 2 == S : input.size(-1) == S),
+              "packed_linear: input's last dimension must be ", pairs ? 2 * S : S, pairs ? " (or one less)" : "",
+              ", got ", input.sizes());
+  const int64_t K = input.size(-1);
+  TORCH_CHECK(N > (panels - 1) * C && N <= panels * C, "packed_linear: ", N, " output features do not fit ", panels,
+              " panels");
+  const float* b = nullptr;
+  at::Tensor bias_c;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == input.scalar_type() && bias->dim() == 1 && bias->numel() == N,
+                "packed_linear: bias must be ", bf16 ? "bfloat16" : "float32", " [", N, "], got ",
+                bias->scalar_type(), " ", bias->sizes());
+    if (N % C == 0 && !bf16) {
+      bias_c = bias->contiguous();
+    } else {  // float32, padded to whole panels, so the microkernel reads C values for the last one too
+      bias_c = at::zeros({panels * C}, bias->options().dtype(at::kFloat));
+      bias_c.narrow(0, 0, N).copy_(*bias);
+    }
+    b = bias_c.data_ptr<float>();
+  }
+  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
+  shape.back() = N;
+  at::Tensor out = at::empty(shape, input.options().dtype(at::kFloat));
+  const auto result = [&] { return bf16 ? out.to(at::kBFloat16) : out; };
+  if (K == 0) {  // an empty sum: the bias alone
+    out.zero_();
+    if (b != nullptr) out.add_(bias_c.narrow(0, 0, N));
+    return result();
+  }
+  const int64_t M = input.numel() / K;
+  if (M == 0 || N == 0) return result();
+  float* yp = out.data_ptr<float>();
+  if (pairs) {  // x as bfloat16 pairs: an odd K gets a zero column (its weights' pad is zero too)
+    at::Tensor x = input.reshape({M, K}).contiguous();
+    if (K % 2 != 0) x = at::constant_pad_nd(x, {0, 1});
+    run_panels(x.data_ptr<c10::BFloat16>(), x.size(1), packed.data_ptr<c10::BFloat16>(), S, P, C, yp, b, M, N,
+               panels, panel48<Bf16Pairs>);
+  } else if (bf16) {
+    const at::Tensor x = input.to(at::kFloat).contiguous();
+    run_panels(x.data_ptr<float>(), K, packed.data_ptr<c10::BFloat16>(), S, P, C, yp, b, M, N, panels,
+               panel48<Bf16Widened>);
+  } else if (P == kPanelAvx512) {
+    const at::Tensor x = input.contiguous();
+    run_panels(x.data_ptr<float>(), K, packed.data_ptr<float>(), S, P, C, yp, b, M, N, panels, panel48<Float32>);
+  } else {
+    const at::Tensor x = input.contiguous();
+    run_panels(x.data_ptr<float>(), K, packed.data_ptr<float>(), S, P, C, yp, b, M, N, panels,
+               [](int64_t rows, const float* xr, int64_t, const float* w, int64_t k, float* y, int64_t ldy,
+                  const float* bias, int64_t cols, const float* next) {
+                 panel24(rows, xr, k, w, y, ldy, bias, cols, next);
+               });
+  }
+  return result();
+}
+
 
 }  // namespace
 
