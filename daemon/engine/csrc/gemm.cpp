@@ -1,5 +1,13 @@
-// Float32 linear layers over a weight packed once into column panels (CPU), registered as
+// Float32 and bfloat16 linear layers over a weight packed once into column panels (CPU), registered as
 // torch.ops.ringstream.pack_linear_weight and torch.ops.ringstream.packed_linear.
+//
+// bfloat16 (AVX-512 hosts): the weight stays bfloat16 in its panels, so a decode step streams half the bytes;
+// each output is a float32 sum of exact products, rounded to bfloat16 once. Where the host has AVX512_BF16 the
+// panel holds pairs of consecutive k per column and VDPBF16PS multiplies two pairs per lane (twice the float32
+// FMA's products per instruction); elsewhere the weights are widened to float32 as they load (see Bf16Widened).
+// 2-core AMD EPYC (AVX512_BF16), 2 threads, a decode step's weights of the 82M Llama (157 MB): 4.4 ms at 16 rows
+// (35 GB/s) against 5.1 for oneDNN's packed bfloat16 matmul and 11.8 for F.linear; 46.7 ms at 256 rows, oneDNN
+// 44.6.
 //
 // y[M, N] = x[M, K] W[N, K]^T + b. The weight is stored as ceil(N / P) panels of [K, P] (P output columns, K
 // contiguous, the last panel zero-padded), so a panel streams from memory once, sequentially. Two microkernels,
