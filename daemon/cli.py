@@ -10,12 +10,11 @@ import msgspec
 import zmq
 
 from ringstream import __version__
+from ringstream.daemon.common.config import API_KEY_ENV
 from ringstream.ipc.address import SOCKET_ENV, SYSTEMD_SOCKET, check_address
 from ringstream.ipc.client import DEFAULT_TIMEOUT_S, GENERATE_DEFAULTS
 from ringstream.ipc.protocol import to_dict
 
-API_KEY_ENV = "RINGSTREAM_API_KEY"
-"""The environment variable ``serve --api-key`` defaults to (vLLM's ``VLLM_API_KEY``)."""
 STDIN_PROMPT = "-"
 """The PROMPT argument that means: read the prompt from standard input."""
 STATUS_TIMEOUT_S = 5.0
@@ -157,13 +156,16 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 
 def _takes_value(parsers: list[argparse.ArgumentParser], option: str) -> bool:
-    """Whether ``option`` (``--name``, never ``--name=value``) takes a value in any of ``parsers``: an option
-    unknown to all of them is taken to be a flag (argparse names it when it parses)."""
+    """Whether ``option`` (``--name`` or a prefix of it, never ``--name=value``) takes a value in any of
+    ``parsers``: an option unknown to all of them is taken to be a flag (argparse names it when it parses)."""
     for parser in parsers:
         action = parser._option_string_actions.get(option)
         if action is not None:
             return action.nargs != 0
-    return False
+    # argparse takes an unambiguous prefix for an option (--inst for --instance): so does this
+    prefixed = {action.nargs != 0 for parser in parsers for name, action in parser._option_string_actions.items()
+                if option.startswith("--") and name.startswith(option)}
+    return prefixed == {True}
 
 
 def _command_at(argv: list[str], parser: argparse.ArgumentParser) -> int | None:
@@ -282,19 +284,8 @@ def _run(args: argparse.Namespace) -> int:
     return 2
 
 
-def _file_settings(path: str | None) -> dict:
-    """The settings a TOML config file gives, as written; empty when there is none or it cannot be read
-    (``load_config`` then says why)."""
-    try:
-        with open(path or os.devnull, "rb") as file:
-            settings = msgspec.toml.decode(file.read())
-    except (OSError, msgspec.DecodeError):
-        return {}
-    return settings if isinstance(settings, dict) else {}
-
-
 def _serve(args: argparse.Namespace) -> int:
-    from ringstream.daemon.common.config import load_config
+    from ringstream.daemon.common.config import load_serve_config
     from ringstream.daemon.front.shell import serve
     from ringstream.daemon.common.proctitle import front_title, set_process_title
 
@@ -320,13 +311,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"ringstream: --port {args.port}: a TCP port is 0 to 65535 (0: any free one)", file=sys.stderr)
         return 2
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    env_key = os.environ.get(API_KEY_ENV) or None
-    if env_key:  # a default: a key given as a flag or in the config file wins over it; without HTTP it is unused
-        given = {**_file_settings(args.config), **overrides}
-        if not {"api_key", "api_key_file"} & given.keys() and {"http", "http_unix"} & given.keys():
-            overrides["api_key"] = env_key
     try:
-        config = load_config(args.config, **overrides)
+        config = load_serve_config(args.config, overrides)
     except ValueError as exc:
         print(f"ringstream: {exc}", file=sys.stderr)
         return 2

@@ -174,6 +174,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             check_socket_address(self.socket, curve=curve)
         if self.max_clients < 1:
             raise ValueError(f"max_clients = {self.max_clients}: must be >= 1")
+        if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port = {self.metrics_port}: a TCP port is 1 to 65535")
         if not 0 <= self.socket_mode <= 0o777:
             raise ValueError(f"socket_mode {self.socket_mode:o}: not a file mode")
         if not 0 <= self.aging_rate <= MAX_AGING_RATE:  # also refuses NaN and inf (every key inf: no order)
@@ -314,6 +316,39 @@ def visible_cuda_devices() -> int:
     if visible is not None:
         count = min(count, len([v for v in visible.split(",") if v.strip() and v.strip() != "-1"]))
     return count
+
+
+API_KEY_ENV = "RINGSTREAM_API_KEY"
+"""The environment variable ``serve --api-key`` defaults to (vLLM's ``VLLM_API_KEY``)."""
+
+
+def _file_settings(path: str | Path | None) -> dict:
+    """The settings a TOML config file gives, as written; empty when there is none or it cannot be read
+    (``load_config`` then says why)."""
+    if path is None:
+        return {}
+    try:
+        settings = msgspec.toml.decode(Path(path).read_bytes())
+    except (OSError, msgspec.DecodeError):
+        return {}
+    return settings if isinstance(settings, dict) else {}
+
+
+def load_serve_config(path: str | Path | None, overrides: dict) -> Config:
+    """:func:`load_config` for ``ringstream serve`` (at start and at each reload): ``$RINGSTREAM_API_KEY``
+    (:data:`API_KEY_ENV`) is the ``api_key`` default where HTTP is served and neither ``api_key`` nor
+    ``api_key_file`` is given, by ``overrides`` or by the file (a key file wins over the environment).
+
+    Raises:
+        ValueError: as :func:`load_config`; naming :data:`API_KEY_ENV` when its value is the bad one.
+    """
+    env_key = os.environ.get(API_KEY_ENV)
+    given = {**_file_settings(path), **{k: v for k, v in overrides.items() if v is not None}}
+    if env_key is not None and not {"api_key", "api_key_file"} & given.keys() and {"http", "http_unix"} & given.keys():
+        if not env_key.strip():
+            raise ValueError(f"${API_KEY_ENV} is set but empty: give the key, or unset it")
+        overrides = {**overrides, "api_key": env_key}
+    return load_config(path, **overrides)
 
 
 def load_config(path: str | Path | None = None, **overrides) -> Config:

@@ -174,6 +174,8 @@ def resolve_model_dir(path: str | Path | None, max_model_len: int | None = None)
             it lacks ``tokenizer.json``; its config has no context length (and ``max_model_len`` is None), no
             vocabulary size or no end-of-sequence id; malformed JSON.
     """
+    if path is not None and not str(path).strip():
+        raise ModelError("model: empty; give a model directory or a Hugging Face id org/name")
     try:
         root = Path(DEFAULT_MODEL_DIR if path is None else path).expanduser().resolve()
         hub = not root.is_dir() and path is not None and hub_id(str(path)) is not None and not Path(path).exists()
@@ -266,14 +268,23 @@ def load_tokenizer(info: ModelInfo) -> Tokenizer:
 
 def check_tokenizer_vocab(tokenizer: Tokenizer, info: ModelInfo) -> None:
     """ModelError when the tokenizer can produce ids the model has no embedding for (``vocab_size`` of its
-    config): every prompt holding one would fail, so the model is refused at start, both sizes named. A
-    tokenizer smaller than the embedding (a padded vocabulary) is fine."""
+    config), in its vocabulary or from its post-processor (a BOS id), or the config's end or start id is one:
+    every prompt holding one would fail, so the model is refused at start, both sizes named. A tokenizer
+    smaller than the embedding (a padded vocabulary) is fine."""
     vocab = tokenizer.get_vocab(with_added_tokens=True)
     top = max(vocab.values(), default=-1)  # ids need not be dense: the largest one counts, not how many
     if top >= info.vocab_size:
         raise ModelError(f"model directory {info.path}: its tokenizer has {len(vocab)} tokens with ids up to {top} "
                          f"but the model's vocab_size is {info.vocab_size}; the tokenizer and the weights belong "
                          "to different models")
+    # ids no vocabulary entry names: those its post-processor adds (a BOS), the config's end and start ids
+    added = max(tokenizer.encode("a").ids, default=-1)
+    for what, token_id in (("its tokenizer's post-processor adds the id", added),
+                           *(("its eos_token_id is", i) for i in info.eos_token_ids),
+                           ("its bos_token_id is", info.bos_token_id if info.bos_token_id is not None else -1)):
+        if token_id >= info.vocab_size:
+            raise ModelError(f"model directory {info.path}: {what} {token_id}, outside the model's vocab_size of "
+                             f"{info.vocab_size}; every request would fail")
 
 
 HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+)(?:@(?P<revision>[A-Za-z0-9_./-]+))?")
@@ -290,17 +301,19 @@ def hub_id(name: str) -> re.Match | None:
     return match
 
 
-def _snapshot_gaps(snapshot: Path) -> list[str]:
-    """What a hub cache snapshot lacks of a servable model: ``config.json`` and the safetensors weights (every
-    shard its index names). A file whose blob is missing (a dangling link of an interrupted download) is
-    missing."""
+def _snapshot_gaps(snapshot: Path, tokenizer: bool = True) -> list[str]:
+    """What a hub cache snapshot lacks of a servable model: ``config.json``, the safetensors weights (every
+    shard its index names) and, with ``tokenizer``, ``tokenizer.json``. A file whose blob is missing (a dangling
+    link of an interrupted download) is missing; an unreadable index is named as such."""
     gaps = [] if (snapshot / CONFIG_FILE).is_file() else [CONFIG_FILE]
+    if tokenizer and not (snapshot / TOKENIZER_FILE).is_file():
+        gaps.append(TOKENIZER_FILE)
     index = snapshot / "model.safetensors.index.json"
     if index.is_file():
         try:
             shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return [*gaps, index.name]
+            return [*gaps, f"readable {index.name}"]
         gaps += [shard for shard in shards if not (snapshot / shard).is_file()]
     elif not any(p.is_file() for p in snapshot.glob("*.safetensors")):
         gaps.append("*.safetensors")
@@ -309,6 +322,10 @@ HUB_FILES = ("config.json", "generation_config.json", "*.safetensors", "model.sa
              "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
              "chat_template.json")
 """The files of a causal LM the daemon reads: config, weights (safetensors only), tokenizer, chat template."""
+
+
+HUB_TIMEOUT_S = 10.0
+"""Seconds the hub has to answer a request (huggingface_hub's own default for its metadata requests)."""
 
 
 def hub_cache_dir() -> Path:
@@ -328,15 +345,16 @@ def hub_snapshot(name: str) -> Path:
     (``HF_HUB_OFFLINE``), downloaded into it with ``huggingface_hub`` from ``HF_ENDPOINT`` (default: the
     Hugging Face hub; the files of :data:`HUB_FILES` only, with its progress bars).
 
-    A snapshot that lacks the config or weights (:func:`_snapshot_gaps`: an interrupted download, or one of
-    the tokenizer alone) is not taken for the model: the download completes it.
+    A snapshot that lacks the config, weights or tokenizer (:func:`_snapshot_gaps`: an interrupted download,
+    or one of the tokenizer alone) is not taken for the model: the download completes it.
 
     Raises:
-        ModelNotFound: not cached (or cached incomplete) and offline, or the download failed; the message gives
-            the command that fetches it.
-        ModelError: downloaded, and the repo publishes no safetensors weights.
+        ModelNotFound: not cached (or cached incomplete) and offline, the hub unreachable or silent for
+            :data:`HUB_TIMEOUT_S`, the repo or revision unknown, or the download cut off; the message gives the
+            command that fetches it (exit 1: a retry may find it).
+        ModelError: the repo on the hub has no config or no safetensors weights (exit 2).
     """
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import HfApi, snapshot_download
 
     match = hub_id(name)
     repo, revision = match["repo"], match["revision"]
@@ -361,18 +379,38 @@ def hub_snapshot(name: str) -> Path:
                          f"on a host with network with: {fetch} (then copy that host's {cache} to this one's, or "
                          "set HF_HUB_CACHE to where the copy is; a gated model also needs hf auth login or "
                          "HF_TOKEN there)")
+    endpoint = os.environ.get("HF_ENDPOINT") or None
+
+    def unreachable(exc: Exception) -> ModelNotFound:  # network, unknown repo or revision, gated: a retry may do
+        return ModelNotFound(f"{name} is {where} and cannot be downloaded ({type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else ''}); fetch it with: {fetch}")
+
+    # Ask the hub what the repo holds first (huggingface_hub's snapshot_download falls back to the cached
+    # snapshot, silently, when the hub cannot be reached): a repo without the files is refused for what it lacks,
+    # an unreachable hub is a ModelNotFound, and a silent endpoint fails within HUB_TIMEOUT_S.
+    log.info("%s is %s: asking the hub (%s) for it", name, where, endpoint or "huggingface.co")
+    try:
+        files = {sibling.rfilename for sibling in
+                 HfApi(endpoint=endpoint).model_info(repo, revision=revision or "main", timeout=HUB_TIMEOUT_S).siblings
+                 or []}
+    except Exception as exc:
+        raise unreachable(exc) from None
+    lacks = ([] if CONFIG_FILE in files else [CONFIG_FILE]) + (
+        [] if any(f.endswith(".safetensors") for f in files) else ["*.safetensors"])
+    if lacks:
+        raise ModelError(f"{name}: its repo on the hub has no {', '.join(lacks)} (ringstream loads a config.json "
+                         "and safetensors weights; convert other weight formats with transformers' save_pretrained "
+                         "into a directory of yours)")
     log.info("%s is %s: downloading it", name, where)
     try:
         snapshot = Path(snapshot_download(repo, revision=revision, cache_dir=cache, allow_patterns=list(HUB_FILES),
-                                          endpoint=os.environ.get("HF_ENDPOINT") or None))
-    except Exception as exc:  # network, unknown repo or revision, gated repo: huggingface_hub's own message
-        raise ModelNotFound(f"{name} is {where} and cannot be downloaded "
-                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); fetch it "
-                         f"with: {fetch}") from None
-    gaps = _snapshot_gaps(snapshot)
-    if gaps:
-        raise ModelError(f"{name}: its repo on the hub has no {', '.join(gaps)} (ringstream loads a config.json "
-                         "and safetensors weights; convert other weight formats with transformers' save_pretrained)")
+                                          endpoint=endpoint, etag_timeout=HUB_TIMEOUT_S))
+    except Exception as exc:
+        raise unreachable(exc) from None
+    gaps = _snapshot_gaps(snapshot, tokenizer=TOKENIZER_FILE in files)
+    if gaps:  # the hub has them, the download did not bring them: it was cut off
+        raise ModelNotFound(f"{name}: the download left it incomplete in the Hugging Face cache {cache} (no "
+                            f"{', '.join(gaps)}); fetch it with: {fetch}")
     return snapshot
 
 

@@ -41,7 +41,7 @@ import zmq
 import zmq.asyncio
 
 from ringstream.daemon.front.client_socket import ClientSocket
-from ringstream.daemon.common.config import Config, load_config, parse_devices, runtime_dir
+from ringstream.daemon.common.config import Config, load_serve_config, parse_devices, runtime_dir
 from ringstream.daemon.front.core import ABORT_GRACE_S, FrontCore
 from ringstream.daemon.http.child import HttpChild, HttpSpec, bind_listener
 from ringstream.daemon.http.options import HttpOptions
@@ -465,7 +465,7 @@ class Front:
             log.warning("SIGHUP: no config file to reload")
             return
         try:
-            fresh = load_config(self.config_path, **self.overrides)
+            fresh = load_serve_config(self.config_path, self.overrides)
         except ValueError as exc:
             log.error("reload failed, settings unchanged: %s", exc)
             return

@@ -174,6 +174,8 @@ def test_the_cli_says_permission_denied_for_a_socket_in_a_closed_folder():
     (["--ignore-eos", "generate", "x"], ["generate", "--ignore-eos", "x"]),
     (["admin", "--instance", "set", "set", "k=v"], ["admin", "set", "--instance", "set", "k=v"]),
     (["--", "serve"], ["serve"]),
+    (["--inst", "serve", "status"], ["status", "--inst", "serve"]),  # argparse's prefixes
+    (["--mod", "demo", "serve"], ["serve", "--mod", "demo"]),
     (["--instance", "x", "nonsense", "serve"], ["--instance", "x", "nonsense", "serve"]),  # left to the parser
 ])
 def test_options_before_their_command_are_moved_after_it(argv, expected):

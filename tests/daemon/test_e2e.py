@@ -431,9 +431,9 @@ def test_a_stop_signal_ends_a_start_that_hangs_on_a_download(tmp_path):
         with running_daemon(tmp_path, "--engine", "synthetic", "--model", "acme/silent", ready=False,
                             env=env) as d:
             deadline = time.monotonic() + 60
-            while "downloading it" not in d.log() and d.proc.poll() is None and time.monotonic() < deadline:
+            while "asking the hub" not in d.log() and d.proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.1)
-            assert "downloading it" in d.log(), d.log()
+            assert "asking the hub" in d.log(), d.log()
             time.sleep(0.5)
             started = time.monotonic()
             assert d.stop() == 0, d.log()

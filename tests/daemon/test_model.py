@@ -427,13 +427,66 @@ def test_a_missing_tokenizer_is_answered_with_what_writes_one(tmp_path):
         resolve_model_dir(tmp_path)
 
 
+def _online(monkeypatch, tmp_path):
+    """The hub reachable (at an endpoint the test sets), the cache under tmp_path."""
+    import huggingface_hub.constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    # huggingface_hub reads HF_HUB_OFFLINE once, at its import: an earlier test's offline setting stays there
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+
+
 def test_a_hub_model_without_a_tokenizer_is_told_to_convert_into_a_copy(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    snapshot = _hub_cache(tmp_path / "hub", "acme/notok", names=("config.json", "model.safetensors"))
-    with pytest.raises(ModelError, match=r"cp -rL .* \./notok .*serve --model \./notok") as caught:
-        resolve_model_dir("acme/notok")
-    assert f'save_pretrained("{snapshot}")' not in str(caught.value)  # never into the cache
+    from tests.daemon.hub_standin import hub_standin
+
+    _online(monkeypatch, tmp_path)
+    files = {name: (DEFAULT_MODEL_DIR / name).read_bytes() for name in ("config.json", "model.safetensors")}
+    with hub_standin("acme/notok", files) as (endpoint, _):
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        with pytest.raises(ModelError, match=r"cp -rL .* \./notok .*serve --model \./notok") as caught:
+            resolve_model_dir("acme/notok")
+    assert not isinstance(caught.value, ModelNotFound)
+    assert "save_pretrained(\"/" not in str(caught.value)  # never into the cache
+
+
+def test_a_hub_repo_without_safetensors_is_refused_for_it(tmp_path, monkeypatch):
+    from tests.daemon.hub_standin import hub_standin
+
+    _online(monkeypatch, tmp_path)
+    files = {name: (DEFAULT_MODEL_DIR / name).read_bytes() for name in ("config.json", "tokenizer.json")}
+    files["pytorch_model.bin"] = b"pickled weights"
+    with hub_standin("acme/binonly", files) as (endpoint, requests):
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        with pytest.raises(ModelError, match=r"its repo on the hub has no \*\.safetensors") as caught:
+            resolve_model_dir("acme/binonly")
+    assert not isinstance(caught.value, ModelNotFound)  # exit 2: no retry brings safetensors
+    assert not any("/resolve/" in path for _, path in requests)  # refused before any download
+
+
+def test_an_unreachable_or_silent_hub_is_a_model_not_found(tmp_path, monkeypatch):
+    import socket
+    import time
+
+    from ringstream.daemon.common import model_dir
+
+    _online(monkeypatch, tmp_path)
+    _hub_cache(tmp_path / "cache", "acme/partial", names=HUB_MODEL_FILES[:-1])  # the weights missing
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")  # nothing listens
+    with pytest.raises(ModelNotFound, match="incomplete .*cannot be downloaded"):
+        resolve_model_dir("acme/partial")  # not "its repo has no *.safetensors": the hub was never reached
+    monkeypatch.setattr(model_dir, "HUB_TIMEOUT_S", 1.0)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # accepts, never answers
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{silent.getsockname()[1]}")
+        started = time.monotonic()
+        with pytest.raises(ModelNotFound, match="cannot be downloaded"):
+            resolve_model_dir("acme/silent")
+        assert time.monotonic() - started < 30
 
 
 def test_a_hub_model_not_cached_is_downloaded_with_a_causal_lms_files_only(tmp_path, monkeypatch):
@@ -443,12 +496,7 @@ def test_a_hub_model_not_cached_is_downloaded_with_a_causal_lms_files_only(tmp_p
              for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                           "model.safetensors")}
     files |= {"pytorch_model.bin": b"pickled weights", "README.md": b"# tiny"}
-    import huggingface_hub.constants
-
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    # huggingface_hub reads HF_HUB_OFFLINE once, at its import: an earlier test's offline setting stays there
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    _online(monkeypatch, tmp_path)
     monkeypatch.chdir(tmp_path)
     with hub_standin("acme/tiny", files) as (endpoint, requests):
         monkeypatch.setenv("HF_ENDPOINT", endpoint)
@@ -465,15 +513,37 @@ def test_a_hub_model_not_cached_is_downloaded_with_a_causal_lms_files_only(tmp_p
 
 def test_an_incomplete_cache_snapshot_is_completed_when_online(tmp_path, monkeypatch):
     from tests.daemon.hub_standin import hub_standin
-    import huggingface_hub.constants
 
     files = {name: (DEFAULT_MODEL_DIR / name).read_bytes() for name in HUB_MODEL_FILES}
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    _online(monkeypatch, tmp_path)
     snapshot = _hub_cache(tmp_path / "cache", "acme/half", commit="c" * 40, names=HUB_MODEL_FILES[:-1])
     with hub_standin("acme/half", files) as (endpoint, requests):
         monkeypatch.setenv("HF_ENDPOINT", endpoint)
         info = resolve_model_dir("acme/half")
     assert info.path == snapshot.resolve() and (snapshot / "model.safetensors").is_file()
     assert ("GET", "/acme/half/resolve/" + "c" * 40 + "/model.safetensors") in requests
+
+
+def test_ids_outside_the_vocabulary_from_the_post_processor_or_the_config_are_refused(tmp_path, default_info):
+    from tokenizers import Tokenizer, processors
+    from tokenizers.models import WordLevel
+
+    tokenizer = Tokenizer(WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 9999)])
+    with pytest.raises(ModelError, match="post-processor adds the id 9999, outside the model's vocab_size of 100"):
+        check_tokenizer_vocab(tokenizer, dataclasses.replace(default_info, vocab_size=100, bos_token_id=None,
+                                                            eos_token_ids=(1,)))
+    plain = Tokenizer(WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
+    with pytest.raises(ModelError, match="eos_token_id is 7000"):
+        check_tokenizer_vocab(plain, dataclasses.replace(default_info, vocab_size=100, eos_token_ids=(1, 7000)))
+    with pytest.raises(ModelError, match="bos_token_id is 7000"):
+        check_tokenizer_vocab(plain, dataclasses.replace(default_info, vocab_size=100, eos_token_ids=(1,),
+                                                         bos_token_id=7000))
+    check_tokenizer_vocab(plain, dataclasses.replace(default_info, vocab_size=100, eos_token_ids=(1,),
+                                                     bos_token_id=None))
+
+
+def test_an_empty_model_name_is_refused_as_such(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelError, match="model: empty"):
+        resolve_model_dir("")

@@ -68,3 +68,25 @@ def test_reload_separates_live_from_restart_settings():
     assert live == {"max_concurrency": 4}
     assert restart == ["block_size", "max_num_seqs"]
     assert set(live) <= set(LIVE_SETTINGS)
+
+
+def test_the_environments_api_key_yields_to_a_key_file_at_start_and_at_each_reload(tmp_path, monkeypatch):
+    from ringstream.daemon.common.config import API_KEY_ENV, load_serve_config
+
+    monkeypatch.setenv(API_KEY_ENV, "envkey")
+    config_file = tmp_path / "ringstream.toml"
+    config_file.write_text('http = "127.0.0.1:8000"\n')
+    assert load_serve_config(config_file, {}).api_key == "envkey"
+    config_file.write_text('http = "127.0.0.1:8000"\napi_key_file = "/etc/ringstream/key"\n')  # then a reload
+    config = load_serve_config(config_file, {})
+    assert (config.api_key, config.api_key_file) == (None, "/etc/ringstream/key")
+    assert load_serve_config(None, {}).api_key is None  # no HTTP: unused
+    monkeypatch.setenv(API_KEY_ENV, "  ")
+    with pytest.raises(ValueError, match="RINGSTREAM_API_KEY is set but empty"):
+        load_serve_config(None, {"http": "127.0.0.1:8000"})
+
+
+@pytest.mark.parametrize("port", [0, -5, 70000])
+def test_a_metrics_port_out_of_range_is_a_bad_setting(port):
+    with pytest.raises(ValueError, match=f"metrics_port = {port}: a TCP port is 1 to 65535"):
+        load_config(None, metrics_port=port)
