@@ -305,18 +305,22 @@ def _snapshot_gaps(snapshot: Path, tokenizer: bool = True) -> list[str]:
     """What a hub cache snapshot lacks of a servable model: ``config.json``, the safetensors weights (every
     shard its index names) and, with ``tokenizer``, ``tokenizer.json``. A file whose blob is missing (a dangling
     link of an interrupted download) is missing; an unreadable index is named as such."""
-    gaps = [] if (snapshot / CONFIG_FILE).is_file() else [CONFIG_FILE]
+    def named(path: Path) -> str:  # a link whose blob is gone is there to ls: say so
+        return f"{path.name} (a link to a missing blob)" if path.is_symlink() else path.name
+
+    gaps = [] if (snapshot / CONFIG_FILE).is_file() else [named(snapshot / CONFIG_FILE)]
     if tokenizer and not (snapshot / TOKENIZER_FILE).is_file():
-        gaps.append(TOKENIZER_FILE)
+        gaps.append(named(snapshot / TOKENIZER_FILE))
     index = snapshot / "model.safetensors.index.json"
     if index.is_file():
         try:
             shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return [*gaps, f"readable {index.name}"]
-        gaps += [shard for shard in shards if not (snapshot / shard).is_file()]
+        gaps += [named(snapshot / shard) for shard in shards if not (snapshot / shard).is_file()]
     elif not any(p.is_file() for p in snapshot.glob("*.safetensors")):
-        gaps.append("*.safetensors")
+        dangling = [named(p) for p in sorted(snapshot.glob("*.safetensors"))]
+        gaps += dangling or ["*.safetensors"]
     return gaps
 HUB_FILES = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
              "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",

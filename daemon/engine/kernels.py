@@ -20,6 +20,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -58,12 +59,21 @@ def native_ops():
             message = str(exc).lower()
             if not any(word in message for word in ("openmp", "fopenmp", "omp.h", "gomp")):
                 raise  # not OpenMP's fault: a second build would fail the same way
-            log.warning("native CPU kernels built without OpenMP (one thread): %s", str(exc).splitlines()[0])
+            log.warning("native CPU kernels built without OpenMP (one thread): %s", build_error(exc))
             _load(capability, flags, [])
     except Exception as exc:  # no compiler, no ninja, a failed build: serve without the kernels
-        log.warning("native CPU kernels unavailable, using the pure-torch attention: %s", str(exc).splitlines()[0])
+        log.warning("native CPU kernels unavailable, serving with PyTorch's attention and oneDNN's linears: %s",
+                    build_error(exc))
         return None
     return torch.ops.ringstream
+
+
+def build_error(exc: Exception, most: int = 6) -> str:
+    """What a failed build says that matters: the compiler's ``error:`` lines (at most ``most``), else the last
+    line of the message (``cpp_extension`` puts the command line first, the compiler's words after it)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    errors = [line for line in lines if re.search(r"\berror:", line, re.IGNORECASE)]
+    return " | ".join(errors[:most]) if errors else (lines[-1] if lines else type(exc).__name__)
 
 
 def _registered() -> bool:

@@ -107,8 +107,16 @@ def test_an_unbuildable_kernel_falls_back_with_a_warning(monkeypatch, caplog, tm
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     with caplog.at_level(logging.WARNING, logger="ringstream.engine"):
         assert kernels.native_ops.__wrapped__() is None
-    assert "pure-torch attention: Ninja is required" in caplog.text
+    assert "oneDNN's linears: Ninja is required" in caplog.text
     assert not list(tmp_path.iterdir())  # no library kept
+
+
+def test_a_failed_build_is_reported_by_the_compilers_error_lines():
+    message = ("Error building extension 'ringstream_kernels_avx512': [1/2] c++ -MMD -MF gemm.o.d -O3 -c gemm.cpp\n"
+               "FAILED: gemm.o\ngemm.cpp:12:3: error: 'foo' was not declared in this scope\n"
+               "   12 |   foo();\nninja: build stopped: subcommand failed.")
+    assert kernels.build_error(RuntimeError(message)) == "gemm.cpp:12:3: error: 'foo' was not declared in this scope"
+    assert kernels.build_error(RuntimeError("first\nlast words")) == "last words"
 
 
 @pytest.mark.e2e

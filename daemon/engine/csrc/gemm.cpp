@@ -41,6 +41,7 @@
 #include <algorithm>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -203,6 +204,7 @@ void panel24(int64_t rows, const float* x, int64_t K, const float* w, float* y, 
 struct Float32 {
   using W = float;
   using X = float;
+  using Out = float;
   using Vec = __m512;
   using XB = __m512;
   static constexpr int64_t kRow = kPanelAvx512, kLane = 16;
@@ -222,6 +224,7 @@ struct Bf16Widened : Float32 {
 struct Bf16Pairs {
   using W = c10::BFloat16;
   using X = c10::BFloat16;
+  using Out = c10::BFloat16;  // rounded by VCVTNEPS2BF16 (to nearest even, as torch rounds) as it is stored
   using Vec = __m512i;
   using XB = __m512i;
   static constexpr int64_t kRow = 2 * kPanelAvx512, kLane = 32;
@@ -240,7 +243,7 @@ struct Bf16Pairs {
 // Bf16Pairs) of kRow weights each.
 template <int MR, int FETCH, typename S>
 RINGSTREAM_AVX512 inline void microkernel48(const typename S::X* x, int64_t ldx, const typename S::W* w, int64_t K,
-                                            float* y, int64_t ldy, const float* bias, int64_t cols,
+                                            typename S::Out* y, int64_t ldy, const float* bias, int64_t cols,
                                             const typename S::W* next) {
   constexpr int V = kPanelAvx512 / 16;
   constexpr int64_t R = S::kRow, L = S::kLane;
@@ -279,14 +282,20 @@ RINGSTREAM_AVX512 inline void microkernel48(const typename S::X* x, int64_t ldx,
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
-    for (int v = 0; v < V; ++v)
-      _mm512_mask_storeu_ps(y + r * ldy + 16 * v, mask[v],
-                            bias ? _mm512_add_ps(acc[r][v], _mm512_loadu_ps(bias + 16 * v)) : acc[r][v]);
+    for (int v = 0; v < V; ++v) {
+      const __m512 out = bias ? _mm512_add_ps(acc[r][v], _mm512_loadu_ps(bias + 16 * v)) : acc[r][v];
+      if constexpr (std::is_same_v<typename S::Out, float>) {
+        _mm512_mask_storeu_ps(y + r * ldy + 16 * v, mask[v], out);
+      } else {
+        _mm256_mask_storeu_epi16(y + r * ldy + 16 * v, mask[v], reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(out)));
+      }
+    }
 }
 
 template <int MR, typename S>
 RINGSTREAM_AVX512 void block48(int fetch, const typename S::X* x, int64_t ldx, const typename S::W* w, int64_t K,
-                               float* y, int64_t N, const float* bias, int64_t cols, const typename S::W* next) {
+                               typename S::Out* y, int64_t N, const float* bias, int64_t cols,
+                               const typename S::W* next) {
   switch (fetch) {
     case 0: return microkernel48<MR, 0, S>(x, ldx, w, K, y, N, bias, cols, next);
     case kFetchAhead: return microkernel48<MR, kFetchAhead, S>(x, ldx, w, K, y, N, bias, cols, next);
@@ -299,7 +308,8 @@ RINGSTREAM_AVX512 void block48(int fetch, const typename S::X* x, int64_t ldx, c
 // next: the panel this task computes after it, or null.
 template <typename S>
 RINGSTREAM_AVX512 void panel48(int64_t rows, const typename S::X* x, int64_t ldx, const typename S::W* w, int64_t K,
-                               float* y, int64_t N, const float* bias, int64_t cols, const typename S::W* next) {
+                               typename S::Out* y, int64_t N, const float* bias, int64_t cols,
+                               const typename S::W* next) {
   static_assert(kRowsAvx512 == 8, "the tail below covers 1 to 7 rows");
   int64_t m = 0;
   for (; m + kRowsAvx512 <= rows; m += kRowsAvx512)
@@ -321,13 +331,13 @@ RINGSTREAM_AVX512 void panel48(int64_t rows, const typename S::X* x, int64_t ldx
 
 #else
 
-struct Float32 { using W = float; using X = float; };
-struct Bf16Widened { using W = c10::BFloat16; using X = float; };
-struct Bf16Pairs { using W = c10::BFloat16; using X = c10::BFloat16; };
+struct Float32 { using W = float; using X = float; using Out = float; };
+struct Bf16Widened { using W = c10::BFloat16; using X = float; using Out = float; };
+struct Bf16Pairs { using W = c10::BFloat16; using X = c10::BFloat16; using Out = c10::BFloat16; };
 
 template <typename S>
-void panel48(int64_t, const typename S::X*, int64_t, const typename S::W*, int64_t, float*, int64_t, const float*,
-             int64_t, const typename S::W*) {
+void panel48(int64_t, const typename S::X*, int64_t, const typename S::W*, int64_t, typename S::Out*, int64_t,
+             const float*, int64_t, const typename S::W*) {
   TORCH_CHECK(false, "packed_linear: 48-column panels need AVX-512");
 }
 
@@ -386,8 +396,8 @@ at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t panel) {
 
 // y [M, N] = x [M, ldx] times the panels (C columns and S rows of P weights each; and bias), split into tasks of
 // one panel over a block of rows.
-template <typename X, typename W, typename PanelRows>
-void run_panels(const X* xp, int64_t ldx, const W* wp, int64_t S, int64_t P, int64_t C, float* yp, const float* b,
+template <typename X, typename W, typename Y, typename PanelRows>
+void run_panels(const X* xp, int64_t ldx, const W* wp, int64_t S, int64_t P, int64_t C, Y* yp, const float* b,
                 int64_t M, int64_t N, int64_t panels, PanelRows panel_rows) {
   const int64_t rows = C == kPanelAvx512 ? kRowsAvx512 : kRowsAvx2;
   const int64_t wanted = (4 * at::get_num_threads() + panels - 1) / panels;
@@ -441,8 +451,10 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed, cons
   }
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
   shape.back() = N;
-  at::Tensor out = at::empty(shape, input.options().dtype(at::kFloat));
-  const auto result = [&] { return bf16 ? out.to(at::kBFloat16) : out; };
+  // y in float32, rounded to bfloat16 at the end for a widened bfloat16 weight; in bfloat16 from the pairs'
+  // microkernel itself
+  at::Tensor out = at::empty(shape, input.options().dtype(pairs ? at::kBFloat16 : at::kFloat));
+  const auto result = [&] { return bf16 && !pairs ? out.to(at::kBFloat16) : out; };
   if (K == 0) {  // an empty sum: the bias alone
     out.zero_();
     if (b != nullptr) out.add_(bias_c.narrow(0, 0, N));
@@ -450,13 +462,15 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed, cons
   }
   const int64_t M = input.numel() / K;
   if (M == 0 || N == 0) return result();
-  float* yp = out.data_ptr<float>();
   if (pairs) {  // x as bfloat16 pairs: an odd K gets a zero column (its weights' pad is zero too)
     at::Tensor x = input.reshape({M, K}).contiguous();
     if (K % 2 != 0) x = at::constant_pad_nd(x, {0, 1});
-    run_panels(x.data_ptr<c10::BFloat16>(), x.size(1), packed.data_ptr<c10::BFloat16>(), S, P, C, yp, b, M, N,
-               panels, panel48<Bf16Pairs>);
-  } else if (bf16) {
+    run_panels(x.data_ptr<c10::BFloat16>(), x.size(1), packed.data_ptr<c10::BFloat16>(), S, P, C,
+               out.data_ptr<c10::BFloat16>(), b, M, N, panels, panel48<Bf16Pairs>);
+    return out;
+  }
+  float* yp = out.data_ptr<float>();
+  if (bf16) {
     const at::Tensor x = input.to(at::kFloat).contiguous();
     run_panels(x.data_ptr<float>(), K, packed.data_ptr<c10::BFloat16>(), S, P, C, yp, b, M, N, panels,
                panel48<Bf16Widened>);
