@@ -111,7 +111,7 @@ class _Request:
     def __init__(self, arrival: float) -> None:
         self.priority, self.arrival, self.num_prompt_tokens, self.max_tokens = 0, arrival, 3, MAX_TOKENS
         self.prompt_token_ids, self.num_output_tokens, self.kv_charge = [5, 6, 7], 0, 0
-        self.worker, self.started, self.sched_token = None, 0.0, 0
+        self.worker, self.started, self.sched_token, self.served_on = None, 0.0, 0, None
 
 
 def test_the_scheduler_keeps_no_request_that_left_it():
