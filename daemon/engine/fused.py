@@ -1,4 +1,5 @@
-"""Fused elementwise steps for the decoder layers that compute them exactly as Llama's modules do (CPU, float32).
+"""Fused elementwise steps for the decoder layers that compute them exactly as Llama's modules do (CPU, float32;
+bfloat16 rounded where the modules' bfloat16 code rounds).
 
 A Hugging Face RMSNorm is six tensor ops (``to``, ``pow``, ``mean``, ``add``, ``rsqrt``, two ``mul``), each a
 pass over memory and a dispatch; the gated MLP's ``act_fn(gate_proj(x)) * up_proj(x)`` two more after the
@@ -26,7 +27,11 @@ from torch import nn
 
 from ringstream.daemon.engine.linear import FusedLinearSlice, refuse_autograd
 
-__all__ = ["fuse_elementwise"]
+__all__ = ["FUSED_DTYPES", "fuse_elementwise"]
+
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
+"""The dtypes the native elementwise kernels compute: bfloat16 in float32, rounded where the modules' own
+bfloat16 code rounds (``csrc/elementwise.cpp``)."""
 
 
 def _tokens(function) -> tuple[str, ...] | None:
@@ -61,7 +66,7 @@ def _is_silu(module: nn.Module) -> bool:
 
 
 def _norm_forward(ops, module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    if hidden_states.dtype != torch.float32:  # only float32 is fused: other inputs take the module's own math
+    if hidden_states.dtype != module.weight.dtype:  # fused where both are float32 or both bfloat16
         return type(module).forward(module, hidden_states)
     refuse_autograd(hidden_states, module.weight)
     return ops.rms_norm(hidden_states, module.weight, module.variance_epsilon)
@@ -74,7 +79,7 @@ def _mlp_forward(ops, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def fuse_elementwise(model: nn.Module, ops) -> int:
-    """Give ``model``'s Llama-exact RMSNorm modules (float32 weight) and gated SiLU MLPs (whose ``gate_proj`` and
+    """Give ``model``'s Llama-exact RMSNorm modules (float32 or bfloat16 weight) and gated SiLU MLPs (whose ``gate_proj`` and
     ``up_proj`` are one :class:`~ringstream.daemon.engine.linear.FusedLinearGroup`, in that order, after
     ``pack_linears``) forwards over ``ops`` (``torch.ops.ringstream`` with the native kernels); returns how many
     modules were changed. Nothing else changes: weights, names and state dicts stay as they were.
@@ -83,14 +88,14 @@ def fuse_elementwise(model: nn.Module, ops) -> int:
     for module in model.modules():
         cls = type(module)
         if ("RMSNorm" in cls.__name__ and isinstance(getattr(module, "weight", None), torch.Tensor)
-                and module.weight.dtype == torch.float32 and module.weight.dim() == 1
+                and module.weight.dtype in FUSED_DTYPES and module.weight.dim() == 1
                 and isinstance(getattr(module, "variance_epsilon", None), float) and _same_forward(cls, "norm")):
             module.forward = types.MethodType(functools.partial(_norm_forward, ops), module)
             changed += 1
         elif (isinstance(getattr(module, "gate_proj", None), FusedLinearSlice)
               and isinstance(getattr(module, "up_proj", None), FusedLinearSlice)
               and module.gate_proj.group is module.up_proj.group
-              and module.gate_proj.group.packed.dtype == torch.float32  # the native SiLU-and-mul: float32 only
+              and module.gate_proj.group.packed.dtype in FUSED_DTYPES
               and (module.gate_proj.index, module.up_proj.index) == (0, 1)
               and module.gate_proj.out_features == module.up_proj.out_features
               and _is_silu(getattr(module, "act_fn", None)) and _same_forward(cls, "mlp")):
