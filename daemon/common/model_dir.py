@@ -353,9 +353,11 @@ def hub_snapshot(name: str) -> Path:
     or one of the tokenizer alone) is not taken for the model: the download completes it.
 
     Raises:
-        ModelNotFound: not cached (or cached incomplete) and offline, the hub unreachable or silent for
-            :data:`HUB_TIMEOUT_S`, the repo or revision unknown, or the download cut off; the message gives the
-            command that fetches it (exit 1: a retry may find it).
+        ModelNotFound: not cached (or cached incomplete) and offline, the hub unreachable or silent to the
+            first request for about :data:`HUB_TIMEOUT_S`, the repo or revision unknown, or the download cut
+            off; the message gives the command that fetches it (exit 1: a retry may find it). A transfer that
+            stalls after that is huggingface_hub's to retry, for as long as it takes (a model may be large): a
+            stop signal ends such a start (:meth:`ringstream.daemon.front.shell.Front.run`).
         ModelError: the repo on the hub has no config or no safetensors weights (exit 2).
     """
     from huggingface_hub import HfApi, snapshot_download

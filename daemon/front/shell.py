@@ -31,6 +31,7 @@ import gc
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -104,6 +105,8 @@ class Front:
         self.owned_paths: list[str] = []
         """ipc socket files this daemon bound, removed at stop."""
         self.watchdog_gate = WatchdogGate(self.notifier)
+        self.abandoned_load = False
+        """A stop signal ended the start while the model was still resolving (a download thread still runs)."""
         self.housekeeping_tick = time.monotonic()
 
     @property
@@ -244,6 +247,7 @@ class Front:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
         if not done.done():
+            self.abandoned_load = True  # its download threads may never end: serve() exits without joining them
             raise StartupError(f"stopped while resolving the model {config.model}", exit_code=0)
         result = done.result()
         if isinstance(result, ModelNotFound):
@@ -482,8 +486,20 @@ class Front:
 
 
 def serve(config: Config, config_path: str | None = None, overrides: dict | None = None) -> int:
-    """Run a daemon in this process until stopped; returns its exit code."""
+    """Run a daemon in this process until stopped; returns its exit code.
+
+    A start stopped while a download was under way ends the process here (``os._exit``, after the log is
+    flushed): huggingface_hub downloads on worker threads that the interpreter would wait for at exit, for as
+    long as a stalled transfer lasts.
+    """
     import uvloop
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s front %(message)s")
-    return uvloop.run(Front(config, config_path, overrides).run())
+    front = Front(config, config_path, overrides)
+    code = uvloop.run(front.run())
+    if front.abandoned_load:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

@@ -441,3 +441,39 @@ def test_a_stop_signal_ends_a_start_that_hangs_on_a_download(tmp_path):
             assert "stopped while resolving the model acme/silent" in d.log()
     finally:
         silent.close()
+
+
+def test_a_stop_signal_ends_a_start_whose_download_stalls(tmp_path):
+    """The hub answers what the repo holds, then the weights' transfer stalls: SIGTERM still ends the process at
+    once (huggingface_hub's download threads are not waited for), exit 0."""
+    import threading
+
+    from ringstream.daemon.common.model_dir import DEFAULT_MODEL_DIR
+    from tests.daemon.hub_standin import hub_standin
+
+    release = threading.Event()
+
+    class Stalling(dict):
+        def __getitem__(self, name):
+            if name == "model.safetensors":
+                release.wait(60)
+            return super().__getitem__(name)
+
+    files = Stalling({name: (DEFAULT_MODEL_DIR / name).read_bytes()
+                      for name in ("config.json", "tokenizer.json", "model.safetensors")})
+    try:
+        with hub_standin("acme/stall", files) as (endpoint, requests):
+            env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_ENDPOINT=endpoint)
+            env.pop("HF_HUB_OFFLINE", None)
+            with running_daemon(tmp_path, "--engine", "synthetic", "--model", "acme/stall", ready=False,
+                                env=env) as d:
+                deadline = time.monotonic() + 60
+                while not any(p.endswith("model.safetensors") for _, p in requests) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert any(p.endswith("model.safetensors") for _, p in requests), d.log()
+                started = time.monotonic()
+                assert d.stop(timeout_s=15) == 0, d.log()
+                assert time.monotonic() - started < 10
+                assert "stopped while resolving the model acme/stall" in d.log()
+    finally:
+        release.set()

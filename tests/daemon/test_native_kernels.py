@@ -182,7 +182,7 @@ def bf16_layouts(ops) -> list[int]:
     layouts = []
     for panel in (48, 96):
         try:
-            ops.pack_linear_weight(torch.zeros(1, 1, dtype=torch.bfloat16), panel)
+            ops.pack_linear_weight(torch.zeros(1, 2, dtype=torch.bfloat16), panel)
             layouts.append(panel)
         except RuntimeError:
             pass
@@ -200,10 +200,19 @@ def test_native_bfloat16_linear_is_the_float32_sum_rounded_once(ops, layout, row
     weight = torch.randn(out_features, in_features).bfloat16()
     b = torch.randn(out_features).bfloat16() if bias else None
     x = torch.randn(rows, in_features).bfloat16()
+    if layout == 96 and in_features % 2:  # pairs of an even in_features only: the shape then says it exactly
+        with pytest.raises(RuntimeError, match="need an even in_features, got 67"):
+            ops.pack_linear_weight(weight, layout)
+        assert ops.pack_linear_weight(weight).size(2) == 48  # the host's best for it: widened
+        return
     packed = ops.pack_linear_weight(weight, layout)
-    steps = in_features if layout == 48 else (in_features + 1) // 2
+    if layout == 96:
+        with pytest.raises(RuntimeError, match="last dimension must be 64"):
+            ops.packed_linear(x[:, :-1], packed, b, out_features)
+    steps = in_features if layout == 48 else in_features // 2
     assert packed.dtype == torch.bfloat16 and packed.shape == ((out_features + 47) // 48, steps, layout)
-    assert ops.pack_linear_weight(weight).size(2) == bf16_layouts(ops)[-1]  # the host's best by default
+    best = 96 if 96 in bf16_layouts(ops) and in_features % 2 == 0 else 48  # the host's best for the shape
+    assert ops.pack_linear_weight(weight).size(2) == best
     got = ops.packed_linear(x, packed, b, out_features)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
     exact = F.linear(x.double(), weight.double(), None if b is None else b.double())

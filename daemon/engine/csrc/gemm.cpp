@@ -32,7 +32,6 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
@@ -372,19 +371,25 @@ void pack_panels(const at::Tensor& w, at::Tensor& packed, int64_t C, int64_t G) 
 }
 
 // weight [N, K] -> panels [ceil(N / C), S, P]: float32 as 24- or 48-column panels (P = C, S = K); bfloat16 as
-// 48-column panels of k-pairs where the host has AVX512_BF16 (P = 96, S = ceil(K / 2)), else widened as it is
-// read (P = 48, S = K; AVX-512 hosts only). panel 0: the host's best for the weight's dtype.
+// 48-column panels of k-pairs where the host has AVX512_BF16 and K is even (P = 96, S = K / 2), else widened as
+// it is read (P = 48, S = K; AVX-512 hosts only). panel 0: the host's best for the weight's dtype and shape.
 at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t panel) {
   TORCH_CHECK(weight.dim() == 2, "pack_linear_weight: weight must be [out_features, in_features], got ",
               weight.sizes());
   const bool bf16 = weight.scalar_type() == at::kBFloat16;
   TORCH_CHECK(weight.scalar_type() == at::kFloat || bf16, "pack_linear_weight: float32 or bfloat16 only, got ",
               weight.scalar_type());
-  const int64_t P = panel != 0 ? panel : !bf16 ? host_panel() : host_has_avx512_bf16() ? kPairPanel : kPanelAvx512;
+  const int64_t K = weight.size(1);
+  const int64_t P = panel != 0 ? panel
+                    : !bf16 ? host_panel()
+                    : host_has_avx512_bf16() && K % 2 == 0 ? kPairPanel : kPanelAvx512;
   check_panel(P, bf16, "pack_linear_weight");
+  // pairs of an even K only: the packed shape then says K exactly (an odd one would be ambiguous with K + 1)
+  TORCH_CHECK(P != kPairPanel || K % 2 == 0, "pack_linear_weight: bfloat16 pair panels need an even in_features, "
+              "got ", K);
   const int64_t G = P == kPairPanel ? 2 : 1, C = P / G;
-  const int64_t N = weight.size(0), K = weight.size(1), panels = (N + C - 1) / C;
-  at::Tensor packed = at::zeros({panels, (K + G - 1) / G, P}, weight.options());
+  const int64_t N = weight.size(0), panels = (N + C - 1) / C;
+  at::Tensor packed = at::zeros({panels, K / G, P}, weight.options());
   const at::Tensor w = weight.contiguous();
   if (bf16) {
     pack_panels<c10::BFloat16>(w, packed, C, G);
@@ -429,9 +434,8 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed, cons
   check_panel(P, bf16, "packed_linear");
   const bool pairs = P == kPairPanel;
   const int64_t C = pairs ? kPanelAvx512 : P, S = packed.size(1), N = out_features, panels = packed.size(0);
-  TORCH_CHECK(input.dim() >= 1 && (pairs ? (input.size(-1) + 1) / 2 == S : input.size(-1) == S),
-              "packed_linear: input's last dimension must be ", pairs ? 2 * S : S, pairs ? " (or one less)" : "",
-              ", got ", input.sizes());
+  TORCH_CHECK(input.dim() >= 1 && input.size(-1) == (pairs ? 2 * S : S),
+              "packed_linear: input's last dimension must be ", pairs ? 2 * S : S, ", got ", input.sizes());
   const int64_t K = input.size(-1);
   TORCH_CHECK(N > (panels - 1) * C && N <= panels * C, "packed_linear: ", N, " output features do not fit ", panels,
               " panels");
@@ -462,10 +466,9 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed, cons
   }
   const int64_t M = input.numel() / K;
   if (M == 0 || N == 0) return result();
-  if (pairs) {  // x as bfloat16 pairs: an odd K gets a zero column (its weights' pad is zero too)
-    at::Tensor x = input.reshape({M, K}).contiguous();
-    if (K % 2 != 0) x = at::constant_pad_nd(x, {0, 1});
-    run_panels(x.data_ptr<c10::BFloat16>(), x.size(1), packed.data_ptr<c10::BFloat16>(), S, P, C,
+  if (pairs) {  // x as bfloat16 pairs (K is even)
+    const at::Tensor x = input.reshape({M, K}).contiguous();
+    run_panels(x.data_ptr<c10::BFloat16>(), K, packed.data_ptr<c10::BFloat16>(), S, P, C,
                out.data_ptr<c10::BFloat16>(), b, M, N, panels, panel48<Bf16Pairs>);
     return out;
   }
