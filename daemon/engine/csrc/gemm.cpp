@@ -347,11 +347,11 @@ void check_panel(int64_t panel, bool bf16, const char* op) {
   TORCH_CHECK(panel == kPanelAvx2 || panel == kPanelAvx512 || panel == kPairPanel, op, ": panels are ", kPanelAvx2,
               " or ", kPanelAvx512, " columns wide (", kPairPanel, ": bfloat16 pairs of ", kPanelAvx512, "), got ",
               panel);
-  TORCH_CHECK(panel == kPanelAvx2 || host_has_avx512(), op, ": ", panel, "-wide panels need AVX-512, which this CPU ",
-              "does not have");
   TORCH_CHECK(!bf16 || panel != kPanelAvx2, op, ": a bfloat16 weight needs ", kPanelAvx512,
               "-column panels (AVX-512)");
   TORCH_CHECK(bf16 || panel != kPairPanel, op, ": ", kPairPanel, "-wide panels hold bfloat16 weights only");
+  TORCH_CHECK(panel == kPanelAvx2 || host_has_avx512(), op, ": ", panel, "-wide panels need AVX-512, which this CPU ",
+              "does not have");
   TORCH_CHECK(panel != kPairPanel || host_has_avx512_bf16(), op, ": bfloat16 pair panels need AVX512_BF16, which "
               "this CPU does not have");
 }
