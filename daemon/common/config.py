@@ -6,6 +6,7 @@ Every field has a default, so an empty file (or none) is a valid config.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from pathlib import Path
@@ -368,5 +369,10 @@ def load_config(path: str | Path | None = None, **overrides) -> Config:
     try:
         config = msgspec.convert(data, Config)
     except msgspec.ValidationError as exc:
-        raise ValueError(f"config{f' {path}' if path else ''}: {exc}") from exc
+        hint = ""
+        unknown = re.search(r"unknown field `([^`]+)`", str(exc))
+        if unknown:
+            close = difflib.get_close_matches(unknown[1], Config.__struct_fields__, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else " (ringstream config lists every setting)"
+        raise ValueError(f"config{f' {path}' if path else ''}: {exc}{hint}") from exc
     return config.check()

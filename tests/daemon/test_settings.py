@@ -90,3 +90,10 @@ def test_the_environments_api_key_yields_to_a_key_file_at_start_and_at_each_relo
 def test_a_metrics_port_out_of_range_is_a_bad_setting(port):
     with pytest.raises(ValueError, match=f"metrics_port = {port}: a TCP port is 1 to 65535"):
         load_config(None, metrics_port=port)
+
+
+def test_an_unknown_setting_is_answered_with_the_closest_one():
+    with pytest.raises(ValueError, match=r"unknown field `max_num_seq` \(did you mean max_num_seqs\?\)"):
+        load_config(None, max_num_seq=3)
+    with pytest.raises(ValueError, match=r"unknown field `zzz` \(ringstream config lists every setting\)"):
+        load_config(None, zzz=1)
