@@ -32,10 +32,8 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 
 import msgspec
 import zmq
@@ -49,9 +47,8 @@ from ringstream.daemon.http.options import HttpOptions
 from ringstream.daemon.common.listen import read_api_key
 from ringstream.daemon.front.intake import Intake
 from ringstream.daemon.front.metrics import Metrics
-from ringstream.daemon.common.model_dir import (
-    ModelInfo, ModelNotFound, check_tokenizer_vocab, load_tokenizer, model_name, resolve_model_dir,
-)
+from ringstream.daemon.common.model_dir import ModelInfo, model_name
+from ringstream.daemon.front.model_load import LoadAbandoned, load_model
 from ringstream.daemon.front.notify import Notifier, WatchdogGate
 from ringstream.daemon.front.ports import SendResult
 from ringstream.daemon.front.request import DaemonState
@@ -204,59 +201,17 @@ class Front:
         self.core.request_stop(exit_code)
 
     async def _load_model(self) -> Validator:
-        """Take the instance lock, then resolve the model (a hub id may download for minutes, or hang on a
-        silent network), read its tokenizer and check it, in a thread: a stop signal meanwhile ends the start
-        at once (exit 0), the download left to die with the process.
-
-        Raises:
-            StartupError: exit 1 when the model is not there (:class:`ModelNotFound`: a retry may find it),
-                2 when it is refused or a setting is at odds with it, 0 when stopped meanwhile.
-        """
-        config = self.config
+        """Take the instance lock, then read the model (:func:`ringstream.daemon.front.model_load.load_model`:
+        a stop signal meanwhile ends the start, exit 0)."""
         rundir = runtime_dir()
         rundir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.lock = InstanceLock(rundir / f"{config.instance}.lock")
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
-
-        def load() -> None:
-            try:
-                model = resolve_model_dir(config.model, config.max_model_len)
-                if config.max_model_len is not None:
-                    if config.max_model_len > model.max_model_len:
-                        raise ValueError(f"max_model_len = {config.max_model_len} exceeds the model's context of "
-                                         f"{model.max_model_len} tokens")
-                    model = replace(model, max_model_len=config.max_model_len)
-                tokenizer = load_tokenizer(model)
-                check_tokenizer_vocab(tokenizer, model)  # before any worker loads the weights
-                result = (model, Validator(tokenizer, model))
-            except BaseException as exc:  # handed to the loop, which raises it
-                result = exc
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
-
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        self.notifier.status(f"starting: resolving the model {config.model or '(built-in)'}")
-        threading.Thread(target=load, name="ringstream-model", daemon=True).start()
-        stopped = asyncio.ensure_future(stop.wait())
+        self.lock = InstanceLock(rundir / f"{self.config.instance}.lock")
+        self.notifier.status(f"starting: resolving the model {self.config.model or '(built-in)'}")
         try:
-            await asyncio.wait([done, stopped], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopped.cancel()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self.request_stop)
-        if not done.done():
+            self.model, validator = await load_model(self.config, self.request_stop)
+        except LoadAbandoned:
             self.abandoned_load = True  # its download threads may never end: serve() exits without joining them
-            raise StartupError(f"stopped while resolving the model {config.model}", exit_code=0)
-        result = done.result()
-        if isinstance(result, ModelNotFound):
-            raise StartupError(str(result)) from result
-        if isinstance(result, Exception):  # the model refused, or a setting at odds with it: no retry fixes it
-            raise StartupError(str(result), exit_code=2) from result
-        if isinstance(result, BaseException):
-            raise result
-        self.model, validator = result
+            raise
         return validator
 
     def _setup(self, validator: Validator) -> None:
