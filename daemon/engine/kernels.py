@@ -32,7 +32,7 @@ log = logging.getLogger("ringstream.engine")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "gemm.cpp", CSRC / "elementwise.cpp"]
-HEADERS = [CSRC / "exp_avx2.h"]
+HEADERS = [CSRC / "exp_avx2.h", CSRC / "cpu_features.h"]
 OPENMP_FLAGS = ("-fopenmp",)
 
 

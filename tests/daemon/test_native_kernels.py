@@ -58,33 +58,38 @@ def pool_and_tables(rng, kv_heads, head_dim, value_dim, lengths, block_size, dty
     return key, value, tables, index
 
 
-@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_decode_equals_attention_over_the_gathered_context(ops, group, dtype):
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [40, 64, 128])
+def test_paged_decode_equals_attention_over_the_gathered_context(ops, group, dtype, head_dim):
+    # 40: no multiple of 16, the AVX2 path and its scalar tail; 64 and 128: the AVX-512 path where the host has it
+    # (sixteen positions a reduction, then the rest one at a time; heads four at a time over the values)
     rng = random.Random(group)
-    kv_heads, head_dim, block_size = 2, 40, 16  # a head size that is no multiple of 16: the scalar tail runs
-    lengths = [1, 15, 16, 17, 200, 63]
+    kv_heads, block_size = 2, 16
+    lengths = [1, 15, 16, 17, 200, 63, 48, 33]
     key, value, tables, index = pool_and_tables(rng, kv_heads, head_dim, head_dim, lengths, block_size, dtype)
     heads = kv_heads * group
-    rows = torch.tensor([4, 0, 5, 1, 3, 2])  # the group's rows, in any order, into a larger batch
-    query = torch.randn(heads, 8, head_dim).to(dtype).transpose(0, 1)  # [N, heads, D], not contiguous
-    out = torch.full((8, heads, head_dim), float("nan"), dtype=dtype)
+    rows = torch.tensor([4, 0, 5, 1, 3, 2, 7, 6])  # the group's rows, in any order, into a larger batch
+    query = torch.randn(heads, 10, head_dim).to(dtype).transpose(0, 1)  # [N, heads, D], not contiguous
+    out = torch.full((10, heads, head_dim), float("nan"), dtype=dtype)
     scale = head_dim ** -0.5
     ops.paged_decode(out, query, key, value, index, torch.tensor(lengths), rows, block_size, scale, 0)
     want = reference(query[rows], key, value, tables, lengths, block_size, scale, 0)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out[rows].float(), want, atol=tolerance, rtol=tolerance)
-    assert out[[6, 7]].isnan().all()  # rows outside the group are not written
+    assert out[[8, 9]].isnan().all()  # rows outside the group are not written
 
 
-def test_paged_decode_sliding_window_and_value_head_size(ops):
+@pytest.mark.parametrize("head_dim, value_dim, window", [(32, 24, 16), (64, 32, 40), (128, 64, 100), (64, 48, 0)])
+def test_paged_decode_sliding_window_and_value_head_size(ops, head_dim, value_dim, window):
     rng = random.Random(7)
-    lengths = [5, 40, 129]
-    key, value, tables, index = pool_and_tables(rng, 2, 32, 24, lengths, 8, torch.float32)
-    query = torch.randn(3, 4, 32)
-    out = torch.empty(3, 4, 24)
-    ops.paged_decode(out, query, key, value, index, torch.tensor(lengths), torch.arange(3), 8, 0.2, 16)
-    torch.testing.assert_close(out, reference(query, key, value, tables, lengths, 8, 0.2, 16), atol=1e-5, rtol=1e-5)
+    lengths = [5, 40, 129, 300]
+    key, value, tables, index = pool_and_tables(rng, 2, head_dim, value_dim, lengths, 8, torch.float32)
+    query = torch.randn(4, 4, head_dim)
+    out = torch.empty(4, 4, value_dim)
+    ops.paged_decode(out, query, key, value, index, torch.tensor(lengths), torch.arange(4), 8, 0.2, window)
+    want = reference(query, key, value, tables, lengths, 8, 0.2, window)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
 def test_paged_decode_refuses_what_it_cannot_read(ops):
@@ -346,6 +351,26 @@ def test_engine_tokens_are_the_same_with_and_without_the_fast_paths(ops, tiny):
     model_dir, tokenizer = tiny
     plain = greedy_outputs(load_model(model_dir), tokenizer, native=False)
     fast = greedy_outputs(load_model(model_dir), tokenizer, native=True)
+    assert fast == plain and all(len(tokens) == 24 for tokens in fast.values())
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(2, 1), (6, 2), (4, 4)])
+def test_engine_tokens_with_64_wide_heads_are_the_same_with_and_without_the_fast_paths(ops, tiny, heads, kv_heads):
+    # Llama-sized heads (64): the decode kernel's AVX-512 path on hosts that have it, over contexts that end
+    # inside a block of sixteen positions and on its edge
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _, tokenizer = tiny
+    config = LlamaConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=64 * heads, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=64,
+                         max_position_embeddings=256, attn_implementation="sdpa")
+
+    def model():
+        torch.manual_seed(heads)
+        return LlamaForCausalLM(config).eval()
+
+    plain = greedy_outputs(model(), tokenizer, native=False)
+    fast = greedy_outputs(model(), tokenizer, native=True)
     assert fast == plain and all(len(tokens) == 24 for tokens in fast.values())
 
 

@@ -42,14 +42,7 @@
 #include <optional>
 #include <type_traits>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define RINGSTREAM_X86 1
-// The AVX-512 code's own target: compiled for it whatever the library's flags, run only after host_has_avx512().
-// AVX512_BF16 is in it for VDPBF16PS alone (Bf16Pairs, run only after host_has_avx512_bf16()); the compiler emits
-// none of its three instructions on its own.
-#define RINGSTREAM_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,fma")))
-#endif
+#include "cpu_features.h"
 
 namespace {
 
@@ -58,32 +51,10 @@ constexpr int64_t kRowsAvx2 = 4;      // rows of its microkernel
 constexpr int64_t kPanelAvx512 = 48;  // three AVX-512 registers
 constexpr int64_t kRowsAvx512 = 8;
 
-bool host_has_avx512() {
-#ifdef RINGSTREAM_X86
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma");
-  }();
-  return has;
-#else
-  return false;
-#endif
-}
+using ringstream_cpu::host_has_avx512;
+using ringstream_cpu::host_has_avx512_bf16;
 
 int64_t host_panel() { return host_has_avx512() ? kPanelAvx512 : kPanelAvx2; }
-
-bool host_has_avx512_bf16() {
-#ifdef RINGSTREAM_X86
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return host_has_avx512() && __builtin_cpu_supports("avx512bf16");
-  }();
-  return has;
-#else
-  return false;
-#endif
-}
 
 constexpr int64_t kPairPanel = 2 * kPanelAvx512;  // a bfloat16 panel of k-pairs: 48 columns x 2 k per row
 

@@ -10,6 +10,13 @@
 // of values. The same algorithm as vLLM's CPU paged attention (csrc/cpu/attention.cpp), written for this pool
 // layout: per layer, keys [kv_heads, slots, head_dim] and values [kv_heads, slots, value_dim], slot =
 // block * block_size + offset.
+//
+// On AVX-512 hosts, where both head sizes are multiples of 16, a second path: each position's slot is walked
+// block by block once per task (no division per position), sixteen positions' scores come out of one horizontal
+// reduction (hsum16) instead of one reduction each, and the weighted sum keeps up to four heads x 64 values in
+// registers. On a 2-core AMD EPYC (AVX512_BF16), 16 rows x 12 layers, 4 KV heads of 64, 3 query heads each:
+// bfloat16 1.4 / 2.1 / 9.2 ms at 160 / 260 / 1,000 positions against 2.1-3.4 / 4.6 / 11-19 for the AVX2 path;
+// float32 on par (1.9 / 3.4 / 14.8 ms: the pool's reads bound both).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -21,6 +28,8 @@
 #include <cmath>
 #include <limits>
 #include <vector>
+
+#include "cpu_features.h"
 
 namespace {
 
@@ -175,6 +184,134 @@ inline void weighted_sum(float* out, int64_t out_stride, const float* w, int64_t
 }
 #endif
 
+// ---- AVX-512: sixteen positions' scores per horizontal reduction
+
+#if defined(RINGSTREAM_X86) && defined(__AVX2__) && defined(__FMA__)
+#define RINGSTREAM_DECODE512 1
+
+constexpr int64_t kAhead512 = 32;  // positions ahead whose key and value are fetched in the score pass
+
+RINGSTREAM_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+RINGSTREAM_AVX512 inline __m512 load16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+RINGSTREAM_AVX512 inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Lane p of the result is the sum of a[p]'s sixteen lanes: 512 -> 256 -> 128 bits by pairing registers, then the
+// four lanes of each 128-bit quarter by unpacking, 45 instructions for sixteen sums (one each would take ~8). The
+// last stage leaves quarter j's lane m holding register 4m + j, so registers are fed in that transposed order.
+RINGSTREAM_AVX512 inline __m512 hsum16(const __m512 a[16]) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i) {
+    const int x = 4 * ((2 * i) % 4) + (2 * i) / 4, y = 4 * ((2 * i + 1) % 4) + (2 * i + 1) / 4;
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[x], a[y], 0x44), _mm512_shuffle_f32x4(a[x], a[y], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i)
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+  const __m512 v0 = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
+  const __m512 v1 = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
+  const __m512d d0 = _mm512_castps_pd(v0), d1 = _mm512_castps_pd(v1);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d0, d1)), _mm512_castpd_ps(_mm512_unpackhi_pd(d0, d1)));
+}
+
+template <typename T, bool kToL2 = false>
+RINGSTREAM_AVX512 inline void fetch_row(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(c + b, kToL2 ? _MM_HINT_T1 : _MM_HINT_T0);
+}
+
+// scores[g * count + t] = scale * q[g] . key(t) for G query heads (q: [G, D] float32) over count positions whose
+// key rows are k + slots[t] * k_slot (D a multiple of 16); the keys kPrefetchRows ahead go to L1 and their values
+// (v + slots[t] * v_slot, VD of them) to L2 for the pass over the values.
+template <typename T>
+RINGSTREAM_AVX512 void scores512(float* scores, const float* q, int64_t G, int64_t D, const T* k, int64_t k_slot,
+                                 const T* v, int64_t v_slot, int64_t VD, const int64_t* slots, int64_t count,
+                                 float scale) {
+  const __m512 sv = _mm512_set1_ps(scale);
+  int64_t t = 0;
+  for (; t + 16 <= count; t += 16) {
+    const T* rows[16];
+    for (int p = 0; p < 16; ++p) {
+      rows[p] = k + slots[t + p] * k_slot;
+      if (t + p + kAhead512 < count) {
+        fetch_row(k + slots[t + p + kAhead512] * k_slot, D);
+        fetch_row<T, kToL2>(v + slots[t + p + kAhead512] * v_slot, VD);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      __m512 acc[16];
+#pragma GCC unroll 16
+      for (int p = 0; p < 16; ++p) acc[p] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 qv = _mm512_loadu_ps(qg + d);
+#pragma GCC unroll 16
+        for (int p = 0; p < 16; ++p) acc[p] = _mm512_fmadd_ps(qv, load16(rows[p] + d), acc[p]);
+      }
+      _mm512_storeu_ps(scores + g * count + t, _mm512_mul_ps(hsum16(acc), sv));
+    }
+  }
+  for (; t < count; ++t) {  // the last positions, one at a time
+    const T* row = k + slots[t] * k_slot;
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d), load16(row + d), acc);
+      scores[g * count + t] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+}
+
+// out[g * VD + d] = sum over t of w[g * count + t] * value(t)[d] for GB query heads and NC x 16 of the VD values
+// from d0 on: each value row read once for the GB heads, GB x NC accumulators in registers.
+template <typename T, int GB, int NC>
+RINGSTREAM_AVX512 void values512_block(float* out, const float* w, int64_t count, const T* v, int64_t v_slot,
+                                       int64_t VD, const int64_t* slots, int64_t d0) {
+  __m512 acc[GB][NC];
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < count; ++t) {
+    const T* row = v + slots[t] * v_slot + d0;
+    if (t + kPrefetchRows < count) fetch_row(v + slots[t + kPrefetchRows] * v_slot + d0, 16 * NC);
+    __m512 wv[GB];
+    for (int g = 0; g < GB; ++g) wv[g] = _mm512_set1_ps(w[g * count + t]);
+    for (int c = 0; c < NC; ++c) {
+      const __m512 x = load16(row + 16 * c);
+      for (int g = 0; g < GB; ++g) acc[g][c] = _mm512_fmadd_ps(wv[g], x, acc[g][c]);
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + g * VD + d0 + 16 * c, acc[g][c]);
+}
+
+template <typename T, int NC>
+RINGSTREAM_AVX512 void values512_heads(float* out, const float* w, int64_t G, int64_t count, const T* v,
+                                       int64_t v_slot, int64_t VD, const int64_t* slots, int64_t d0) {
+  for (int64_t g = 0; g < G;) {  // up to four heads at a time: 4 x 4 accumulators and the loads fit 32 registers
+    float* o = out + g * VD;
+    const float* wg = w + g * count;
+    switch (std::min<int64_t>(4, G - g)) {
+      case 4: values512_block<T, 4, NC>(o, wg, count, v, v_slot, VD, slots, d0); g += 4; break;
+      case 3: values512_block<T, 3, NC>(o, wg, count, v, v_slot, VD, slots, d0); g += 3; break;
+      case 2: values512_block<T, 2, NC>(o, wg, count, v, v_slot, VD, slots, d0); g += 2; break;
+      default: values512_block<T, 1, NC>(o, wg, count, v, v_slot, VD, slots, d0); g += 1; break;
+    }
+  }
+}
+
+// out [G, VD] = the softmax-weighted values (VD a multiple of 16), 64 of them at a time, then 16.
+template <typename T>
+RINGSTREAM_AVX512 void values512(float* out, const float* w, int64_t G, int64_t count, const T* v, int64_t v_slot,
+                                 int64_t VD, const int64_t* slots) {
+  int64_t d = 0;
+  for (; d + 64 <= VD; d += 64) values512_heads<T, 4>(out, w, G, count, v, v_slot, VD, slots, d);
+  for (; d < VD; d += 16) values512_heads<T, 1>(out, w, G, count, v, v_slot, VD, slots, d);
+}
+#endif
+
 template <typename T>
 void decode_kernel(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                    const at::Tensor& block_index, const at::Tensor& lengths, const at::Tensor& rows,
@@ -195,9 +332,12 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& query, const at::Ten
   const int64_t o_row = out.stride(0), o_head = out.stride(1);
   const int64_t k_head = key.stride(0), k_slot = key.stride(1);
   const int64_t v_head = value.stride(0), v_slot = value.stride(1);
+  // AVX-512 where the host has it and both head sizes are whole registers
+  const bool wide = ringstream_cpu::host_has_avx512() && head_dim % 16 == 0 && value_dim % 16 == 0;
 
   at::parallel_for(0, groups * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(per_kv * head_dim), scores, acc(per_kv * value_dim);
+    std::vector<int64_t> slots;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / kv_heads, h = task % kv_heads;
       const int64_t length = lens[i], row = row_ids[i];
@@ -211,28 +351,43 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& query, const at::Ten
       scores.assign(per_kv * count, 0.f);
       const T* k_h = k_base + h * k_head;
       const T* v_h = v_base + h * v_head;
-      auto slot = [&](int64_t t) { return table[t / block_size] * block_size + t % block_size; };
-      for (int64_t t = first; t < length; ++t) {
-        const T* k = k_h + slot(t) * k_slot;
-        if (t + kPrefetchRows < length) {  // this row's key ahead, and its value into L2 for the second pass
-          const int64_t ahead = slot(t + kPrefetchRows);
-          prefetch_row(k_h + ahead * k_slot, head_dim);
-          prefetch_row<T, kToL2>(v_h + ahead * v_slot, value_dim);
+#ifdef RINGSTREAM_DECODE512
+      if (wide) {
+        slots.resize(count);  // each position's slot, walked block by block (no division per position)
+        for (int64_t t = first, b = first / block_size, o = first % block_size; t < length; ++t) {
+          slots[t - first] = table[b] * block_size + o;
+          if (++o == block_size) o = 0, ++b;
         }
-        for (int64_t g = 0; g < per_kv; ++g) {
-          scores[g * count + (t - first)] = dot(q.data() + g * head_dim, k, head_dim) * static_cast<float>(scale);
+        scores512(scores.data(), q.data(), per_kv, head_dim, k_h, k_slot, v_h, v_slot, value_dim, slots.data(), count,
+                  static_cast<float>(scale));
+        for (int64_t g = 0; g < per_kv; ++g) softmax(scores.data() + g * count, count);
+        values512(acc.data(), scores.data(), per_kv, count, v_h, v_slot, value_dim, slots.data());
+      } else
+#endif
+      {
+        auto slot = [&](int64_t t) { return table[t / block_size] * block_size + t % block_size; };
+        for (int64_t t = first; t < length; ++t) {
+          const T* k = k_h + slot(t) * k_slot;
+          if (t + kPrefetchRows < length) {  // this row's key ahead, and its value into L2 for the second pass
+            const int64_t ahead = slot(t + kPrefetchRows);
+            prefetch_row(k_h + ahead * k_slot, head_dim);
+            prefetch_row<T, kToL2>(v_h + ahead * v_slot, value_dim);
+          }
+          for (int64_t g = 0; g < per_kv; ++g) {
+            scores[g * count + (t - first)] = dot(q.data() + g * head_dim, k, head_dim) * static_cast<float>(scale);
+          }
         }
-      }
-      for (int64_t g = 0; g < per_kv; ++g) softmax(scores.data() + g * count, count);
-      auto value_row = [&](int64_t t) { return v_h + slot(first + t) * v_slot; };
-      // the query heads of this KV head, three at a time (the accumulators of three fill the AVX2 registers)
-      for (int64_t g = 0; g < per_kv;) {
-        float* o = acc.data() + g * value_dim;
-        const float* w = scores.data() + g * count;
-        switch (std::min<int64_t>(3, per_kv - g)) {
-          case 3: weighted_sum<T, 3>(o, value_dim, w, count, count, value_dim, value_row); g += 3; break;
-          case 2: weighted_sum<T, 2>(o, value_dim, w, count, count, value_dim, value_row); g += 2; break;
-          default: weighted_sum<T, 1>(o, value_dim, w, count, count, value_dim, value_row); g += 1; break;
+        for (int64_t g = 0; g < per_kv; ++g) softmax(scores.data() + g * count, count);
+        auto value_row = [&](int64_t t) { return v_h + slot(first + t) * v_slot; };
+        // the query heads of this KV head, three at a time (the accumulators of three fill the AVX2 registers)
+        for (int64_t g = 0; g < per_kv;) {
+          float* o = acc.data() + g * value_dim;
+          const float* w = scores.data() + g * count;
+          switch (std::min<int64_t>(3, per_kv - g)) {
+            case 3: weighted_sum<T, 3>(o, value_dim, w, count, count, value_dim, value_row); g += 3; break;
+            case 2: weighted_sum<T, 2>(o, value_dim, w, count, count, value_dim, value_row); g += 2; break;
+            default: weighted_sum<T, 1>(o, value_dim, w, count, count, value_dim, value_row); g += 1; break;
+          }
         }
       }
       for (int64_t g = 0; g < per_kv; ++g) {
