@@ -41,7 +41,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_step_ms: float | None = None
     """Target duration of a step that carries a prompt chunk, milliseconds: chunks are sized from the measured
     cost of a prompt token on the worker's device (:mod:`ringstream.daemon.engine.step_budget`), within
-    ``max_num_batched_tokens``. None: the device's default (250 on CPU, 50 on an accelerator); 0: the token
+    ``max_num_batched_tokens``. None: the device's default (80 on CPU, 50 on an accelerator); 0: the token
     budget alone."""
     block_size: int = 16
     """Token positions per KV-cache block."""

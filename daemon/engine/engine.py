@@ -81,7 +81,7 @@ from ringstream.daemon.engine.interface import (
 )
 from ringstream.daemon.engine.checks import check_against_model, check_model, ignored_generation_defaults, kv_layout
 from ringstream.daemon.engine.scheduler import SequenceState, StepScheduler
-from ringstream.daemon.engine.step_budget import StepBudget, default_max_step_ms
+from ringstream.daemon.engine.step_budget import StepBudget, chunk_pairs, default_max_step_ms
 from ringstream.daemon.common.model_dir import ModelRefused
 from ringstream.daemon.engine.rope import check_batch_independent, fix_rope_frequencies
 from ringstream.daemon.engine.kernels import native_ops
@@ -301,11 +301,17 @@ class Engine(BaseEngine):
         with torch.inference_mode():
             scheduled = self._scheduler.schedule()
             if scheduled:
-                decodes = sum(1 for seq, n in scheduled.items() if len(seq.token_ids) - seq.num_computed == n == 1)
+                decodes = pairs = 0
+                for seq, n in scheduled.items():
+                    if len(seq.token_ids) - seq.num_computed == n == 1:
+                        decodes += 1
+                    else:
+                        pairs += chunk_pairs(seq.num_computed, n)
                 started = time.perf_counter()
                 self._run(scheduled, outputs)
                 if self._budget is not None:
-                    self._budget.observe(decodes, sum(scheduled.values()) - decodes, time.perf_counter() - started)
+                    self._budget.observe(decodes, sum(scheduled.values()) - decodes, time.perf_counter() - started,
+                                         pairs)
         return outputs
 
     def record_kv_events(self) -> None:
@@ -347,13 +353,15 @@ class Engine(BaseEngine):
         self._blocks.prefix_queries = self._blocks.prefix_hits = 0
 
     def _calibrate_step_budget(self) -> None:
-        """Time one prompt step and one decode step of an internal request: the step budget's start values."""
+        """Time two prompt chunks and one decode step of an internal request: the step budget's start values (the
+        second chunk attends the first, which measures the cost of a chunk's attention pairs)."""
         scheduler = self._scheduler
-        length = max(1, min(CALIBRATION_TOKENS, scheduler.max_num_batched_tokens, self.max_model_len - 3))
-        prompt = [3 + i % max(self.vocab_size - 3, 1) for i in range(length)]
+        length = max(1, min(CALIBRATION_TOKENS, scheduler.max_num_batched_tokens, (self.max_model_len - 3) // 2))
+        prompt = [3 + i % max(self.vocab_size - 3, 1) for i in range(2 * length)]
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         scheduler.add(self._make_sequence(None, EngineRequest(handle=-1, prompt_token_ids=prompt, params=params)))
         limit, scheduler.chunk_limit = scheduler.chunk_limit, None
+        budget, scheduler.max_num_batched_tokens = scheduler.max_num_batched_tokens, length
         try:
             times = []
             while self.has_unfinished():
@@ -362,8 +370,10 @@ class Engine(BaseEngine):
                 times.append(time.perf_counter() - started)
         finally:
             scheduler.chunk_limit = limit
-        if len(times) == 2:  # the prompt in one step, then one decode step
-            self._budget.calibrate(decode_step_s=times[1], prompt_tokens=length, prompt_step_s=times[0])
+            scheduler.max_num_batched_tokens = budget
+        if len(times) == 3:  # the prompt in two chunks, then one decode step
+            self._budget.calibrate(decode_step_s=times[2], prompt_tokens=length, prompt_step_s=times[0],
+                                   second_chunk_s=times[1])
 
     def _traced_run(self, prompt: list[int], params: SamplingParams,
                     max_num_batched_tokens: int) -> tuple[list[int], torch.Tensor, set]:

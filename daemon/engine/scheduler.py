@@ -121,9 +121,10 @@ class StepScheduler:
         self.enable_prefix_caching = blocks.enable_prefix_caching
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.chunk_limit: Callable[[int], int] | None = None
-        """``decodes -> prompt tokens`` the step may add beside that many decode rows (the engine's time
-        budget, :class:`ringstream.daemon.engine.step_budget.StepBudget`); None: the token budget alone."""
+        self.chunk_limit: Callable[[int, int], int] | None = None
+        """``(decodes, start) -> prompt tokens`` the step may add beside that many decode rows, for a chunk from
+        position ``start`` of its prompt (the engine's time budget,
+        :class:`ringstream.daemon.engine.step_budget.StepBudget`); None: the token budget alone."""
         self.watermark = max(1, int(blocks.num_usable_blocks * WATERMARK_FRACTION))
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
@@ -186,7 +187,7 @@ class StepScheduler:
         budget = self.max_num_batched_tokens
         for decode in (True, False):
             if not decode and self.chunk_limit is not None:  # prompt tokens: the time budget's share
-                budget = min(budget, self.chunk_limit(len(scheduled)))
+                budget = min(budget, self.chunk_limit(len(scheduled), self._next_chunk_start()))
             for seq in list(self.running):
                 if budget == 0:
                     return scheduled
@@ -220,6 +221,14 @@ class StepScheduler:
             scheduled[seq] = num_new
             budget -= num_new
         return scheduled
+
+    def _next_chunk_start(self) -> int:
+        """Where the step's first prompt chunk starts in its prompt: the first running sequence still in prefill,
+        else 0 (a waiting one; its cached prefix is not known before it is admitted)."""
+        for seq in self.running:
+            if len(seq.token_ids) - seq.num_computed > 1:
+                return seq.num_computed
+        return 0
 
     def _reserve(self, seq: SequenceState, num_tokens: int, scheduled: dict[SequenceState, int]) -> int:
         """Make ``seq`` hold ``num_tokens`` positions, preempting others while blocks run out.

@@ -1,29 +1,39 @@
 """The prompt-chunk budget of a step by time: chunks sized so that a step that carries one lasts about a target.
 
-A step's duration is modelled as ``fixed_s + row_s * rows``, ``rows`` being every token the forward computes
-(decode rows and prompt tokens alike: on CPU and GPU alike a step first reads every weight, ``fixed_s``, then
-pays each row's share of the matmuls and attention, ``row_s``). Both are fitted on the worker's own device:
-started by :meth:`StepBudget.calibrate` (the engine times a one-row decode step and a prompt step at start), then
-refined after every step by :meth:`StepBudget.observe` (moving averages: a decode-only step refines the fixed
-cost, a step with a chunk the cost of a row, each with the other held).
-:meth:`StepBudget.chunk_tokens` is then the prompt tokens that fill the target beside the step's decode rows,
-within ``[MIN_CHUNK_TOKENS, max_num_batched_tokens - decodes]``; a step without decode rows stalls no stream
-and takes the token budget whole (a burst of arrivals prefills in large steps). Where the decode rows alone
-already take the target, a chunk may still cost as much as they do (the step takes at most ``max(target, 2 x decode step)``), so
-prompts always advance and the weight reads never cost more than the tokens they serve.
+A step's duration is modelled as ``fixed_s + row_s * rows + pair_s * pairs``: ``rows`` are every token the forward
+computes (decode rows and prompt tokens alike: on CPU and GPU alike a step first reads every weight, ``fixed_s``,
+then pays each row's share of the matmuls, ``row_s``), and ``pairs`` the (query, key) pairs of the prompt chunks'
+attention (a chunk of ``n`` tokens from position ``s`` on attends ``n s + n (n + 1) / 2`` of them, so a late chunk
+of a long prompt costs more per token than an early one). All three are fitted on the worker's own device:
+started by :meth:`StepBudget.calibrate` (the engine times a decode step and two prompt chunks of one internal
+request, the second over the first's context, at start), then refined after every step by
+:meth:`StepBudget.observe` (moving averages: a decode-only step refines the fixed cost; a step with a chunk the
+cost of a row or, where its attention is the larger part, of a pair; each with the others held).
+:meth:`StepBudget.chunk_tokens` is then the prompt tokens that fill the target beside the step's decode rows, for
+a chunk starting at a given position, within ``[MIN_CHUNK_TOKENS, max_num_batched_tokens - decodes]``; a step
+without decode rows stalls no stream and takes the token budget whole (a burst of arrivals prefills in large
+steps). Where the decode rows alone already take the target, a chunk may still cost as much as they do (the step
+takes at most ``max(target, 2 x decode step)``), so prompts always advance and the weight reads never cost more
+than the tokens they serve.
 
 Why: with a fixed token budget, a long prompt stalls every decoding stream for as long as its chunk takes, which
 depends on the device by two orders of magnitude (2,048 tokens of an 82M-parameter model take seconds on two CPU
-cores, milliseconds on a GPU). vLLM's chunked prefill bounds tokens only; Sarathi-Serve (Agrawal et al., OSDI
-2024) bounds the step by a latency target, as here.
+cores, milliseconds on a GPU), and on the chunk's place in its prompt (without the attention term, a 4,096-token
+prompt's second chunk, 1,618 tokens, took 435 ms against a 100 ms target on two CPU cores). vLLM's chunked
+prefill bounds tokens only; Sarathi-Serve (Agrawal et al., OSDI 2024) bounds the step by a latency target, as
+here.
 """
 
 from __future__ import annotations
 
-__all__ = ["ACCELERATOR_MAX_STEP_MS", "CPU_MAX_STEP_MS", "MIN_CHUNK_TOKENS", "StepBudget", "default_max_step_ms"]
+import math
 
-CPU_MAX_STEP_MS = 250.0
-"""Default target of a step with a prompt chunk on CPU, milliseconds."""
+__all__ = ["ACCELERATOR_MAX_STEP_MS", "CPU_MAX_STEP_MS", "MIN_CHUNK_TOKENS", "StepBudget", "chunk_pairs",
+           "default_max_step_ms"]
+
+CPU_MAX_STEP_MS = 80.0
+"""Default target of a step with a prompt chunk on CPU, milliseconds: a 4,096-token prompt's chunks then stall 16
+decoding streams for at most ~0.2 of its TTFT on two cores (``ringstream-bench kv``, (c) at the defaults)."""
 ACCELERATOR_MAX_STEP_MS = 50.0
 """Default target on an accelerator (CUDA), milliseconds."""
 MIN_CHUNK_TOKENS = 16
@@ -57,32 +67,56 @@ class StepBudget:
         """What a step costs before its rows (the weight reads), seconds; None until calibrated."""
         self.row_s: float | None = None
         """What each row (decode or prompt token) adds, seconds; None until calibrated."""
+        self.pair_s = 0.0
+        """What each (query, key) pair of a prompt chunk's attention adds, seconds (0 until measured)."""
 
-    def calibrate(self, decode_step_s: float, prompt_tokens: int, prompt_step_s: float) -> None:
-        """Start values: a one-row decode step took ``decode_step_s`` seconds, a step of ``prompt_tokens`` (> 1)
-        prompt tokens ``prompt_step_s``."""
-        self.row_s = max((prompt_step_s - decode_step_s) / max(prompt_tokens - 1, 1), 1e-9)
+    def calibrate(self, decode_step_s: float, prompt_tokens: int, prompt_step_s: float,
+                  second_chunk_s: float | None = None) -> None:
+        """Start values: a one-row decode step took ``decode_step_s`` seconds, a step of the first ``prompt_tokens``
+        (> 1) tokens of a prompt ``prompt_step_s``, and, where given, a step of its next ``prompt_tokens`` (which
+        attend the first ones too) ``second_chunk_s``."""
+        n = max(prompt_tokens, 1)
+        first_pairs = chunk_pairs(0, n)
+        if second_chunk_s is not None:  # the second chunk has n x n more pairs than the first, and as many rows
+            self.pair_s = max((second_chunk_s - prompt_step_s) / (n * n), 0.0)
+        self.row_s = max((prompt_step_s - self.pair_s * first_pairs - decode_step_s) / max(n - 1, 1), 1e-9)
         self.fixed_s = max(decode_step_s - self.row_s, 0.0)
 
-    def observe(self, decodes: int, prompt_tokens: int, seconds: float) -> None:
-        """Refine the model with a step of ``decodes`` decode rows and ``prompt_tokens`` prompt tokens that took
-        ``seconds``: a decode-only step updates the fixed cost, a step with a chunk the cost of a row (each with
-        the other held, so neither is charged to the other)."""
+    def observe(self, decodes: int, prompt_tokens: int, seconds: float, pairs: int = 0) -> None:
+        """Refine the model with a step of ``decodes`` decode rows and ``prompt_tokens`` prompt tokens whose chunks
+        attended ``pairs`` (query, key) pairs (:func:`chunk_pairs`) and that took ``seconds``: a decode-only step
+        updates the fixed cost; a step with a chunk the cost of a row, or of a pair where the pairs are the larger
+        part of the step's modelled cost (each with the others held, so none is charged to another)."""
         if self.fixed_s is None or self.row_s is None:
             return
         rows = decodes + prompt_tokens
         if prompt_tokens == 0:
             fixed = max(seconds - self.row_s * rows, 0.0)
             self.fixed_s += SMOOTHING * (fixed - self.fixed_s)
+        elif pairs and self.pair_s * pairs > self.row_s * rows:
+            pair = max(seconds - self.fixed_s - self.row_s * rows, 0.0) / pairs
+            self.pair_s += SMOOTHING * (pair - self.pair_s)
         elif rows:
-            row = max(seconds - self.fixed_s, 0.0) / rows
+            row = max(seconds - self.fixed_s - self.pair_s * pairs, 0.0) / rows
             self.row_s = max(self.row_s + SMOOTHING * (row - self.row_s), 1e-9)
 
-    def chunk_tokens(self, decodes: int) -> int:
-        """Prompt tokens the next step may carry beside ``decodes`` decode rows (>= 1)."""
+    def chunk_tokens(self, decodes: int, start: int = 0) -> int:
+        """Prompt tokens the next step may carry beside ``decodes`` decode rows, for a chunk whose first token is
+        at position ``start`` of its prompt (>= 1)."""
         room = max(1, self.max_num_batched_tokens - decodes)
         if self.fixed_s is None or self.row_s is None or decodes == 0:
             return room  # no stream decodes: none stalls, the token budget alone bounds the step
-        fixed_s, row_s = self.fixed_s, self.row_s
-        rows = max((self.target_s - fixed_s) / row_s, fixed_s / row_s + 2 * decodes)  # the target, or 2 x decodes
-        return max(min(MIN_CHUNK_TOKENS, room), min(room, int(rows) - decodes))
+        decode_step_s = self.fixed_s + self.row_s * decodes
+        # the chunk's share: what the target leaves, or as much as the decode rows' own step
+        share_s = max(self.target_s - decode_step_s, decode_step_s)
+        # the largest n with row_s n + pair_s (n start + n (n + 1) / 2) <= share_s
+        a = self.pair_s / 2
+        b = self.row_s + self.pair_s * (start + 0.5)
+        n = share_s / b if a == 0 else (math.sqrt(b * b + 4 * a * share_s) - b) / (2 * a)
+        return max(min(MIN_CHUNK_TOKENS, room), min(room, int(n)))
+
+
+def chunk_pairs(start: int, tokens: int) -> int:
+    """The (query, key) pairs a causal chunk of ``tokens`` tokens from position ``start`` on attends:
+    ``tokens * start + tokens * (tokens + 1) / 2``."""
+    return tokens * start + tokens * (tokens + 1) // 2

@@ -83,6 +83,23 @@ def test_decodes_first_then_running_chunk_then_admissions_within_budget():
     assert [out.handle for out in outputs] == [1, 2, 3]
 
 
+def test_the_time_budget_is_asked_for_the_chunk_where_the_running_prompt_stands():
+    sched = make_scheduler(budget=64)
+    asked = []
+
+    def limit(decodes: int, start: int) -> int:
+        asked.append((decodes, start))
+        return 5
+
+    sched.chunk_limit = limit
+    sched.add(make_seq(range(2), handle=1))
+    step(sched)  # no decodes: 0, and a waiting prompt starts at 0
+    sched.add(make_seq(range(20), handle=2))
+    assert step(sched)[0] == {1: 1, 2: 5}
+    assert step(sched)[0] == {1: 1, 2: 5}  # the prompt's second chunk, asked for from position 5
+    assert asked == [(0, 0), (1, 0), (1, 5)]
+
+
 def test_admission_stops_at_max_num_seqs_and_keeps_a_watermark_while_others_run():
     sched = make_scheduler(num_blocks=5, max_num_seqs=2)  # 4 usable blocks, watermark 1
     for handle in (1, 2, 3):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ringstream.daemon.engine.step_budget import MIN_CHUNK_TOKENS, StepBudget, default_max_step_ms
+from ringstream.daemon.engine.step_budget import MIN_CHUNK_TOKENS, StepBudget, chunk_pairs, default_max_step_ms
 
 
 def step_time(rows: int, fixed_s: float = 0.020, row_s: float = 0.001) -> float:
@@ -59,6 +59,44 @@ def test_the_fit_follows_a_dearer_context():
         chunk = budget.chunk_tokens(4)
         budget.observe(decodes=4, prompt_tokens=chunk, seconds=step_time(4 + chunk, row_s=0.002))
     assert budget.chunk_tokens(4) < 50
+
+
+def chunk_time(start: int, tokens: int, decodes: int = 0, pair_s: float = 1e-6) -> float:
+    """A step whose chunk attention costs pair_s a (query, key) pair besides the rows' 20 ms + 1 ms each."""
+    return step_time(decodes + tokens) + pair_s * chunk_pairs(start, tokens)
+
+
+def test_chunk_pairs_count_what_a_causal_chunk_attends():
+    assert chunk_pairs(0, 1) == 1 and chunk_pairs(0, 4) == 10  # 1 + 2 + 3 + 4
+    assert chunk_pairs(100, 4) == 410 and chunk_pairs(7, 0) == 0
+
+
+def test_the_second_calibration_chunk_measures_attention_and_late_chunks_are_smaller():
+    budget = StepBudget(100, 4096)
+    budget.calibrate(step_time(1), 256, chunk_time(0, 256), second_chunk_s=chunk_time(256, 256))
+    assert (budget.fixed_s, budget.row_s, budget.pair_s) == (
+        pytest.approx(0.020), pytest.approx(0.001), pytest.approx(1e-6))
+    early, late = budget.chunk_tokens(16, 0), budget.chunk_tokens(16, 1000)
+    assert MIN_CHUNK_TOKENS < late < early <= 64
+    for start, n in ((0, early), (1000, late)):  # each fills the target, and one more token would overrun it
+        assert chunk_time(start, n, 16) <= 0.100 < chunk_time(start, n + 1, 16)
+
+
+@pytest.mark.parametrize("target_ms,start", [(400, 3000), (100, 500)])
+def test_the_fit_follows_attention_that_costs_more_than_measured(target_ms, start):
+    # A long prompt's chunks at one depth, whose pairs cost twice the calibration's: deep (3,000) the pairs are
+    # most of a step and their cost is refitted; shallower the rows' cost takes the difference. Either way the
+    # chunks come to fill the target at that depth.
+    budget = StepBudget(target_ms, 4096)
+    budget.calibrate(step_time(1), 256, chunk_time(0, 256), second_chunk_s=chunk_time(256, 256))
+    for _ in range(60):
+        n = budget.chunk_tokens(4, start)
+        budget.observe(4, n, chunk_time(start, n, 4, pair_s=2e-6), pairs=chunk_pairs(start, n))
+    if start == 3000:
+        assert budget.pair_s == pytest.approx(2e-6, rel=0.05)
+    n = budget.chunk_tokens(4, start)
+    assert n > MIN_CHUNK_TOKENS
+    assert target_ms * 0.95e-3 <= chunk_time(start, n, 4, pair_s=2e-6) <= target_ms * 1.01e-3
 
 
 def test_defaults_and_bad_targets():
