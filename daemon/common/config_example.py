@@ -51,7 +51,7 @@ EXAMPLES = {
     "model": '"/var/lib/ringstream/models/my-model"    # or a Hugging Face id: "Qwen/Qwen2.5-0.5B-Instruct"',
     "kv_cache_bytes": "4294967296    # 4 GiB",
     "max_model_len": "4096",
-    "max_step_ms": "100.0",
+    "max_step_ms": "40.0",
     "queue_timeout_s": "30.0",
     "metrics_port": "9400",
     "http": '"127.0.0.1:8000"',

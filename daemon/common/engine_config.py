@@ -11,6 +11,8 @@ of :class:`ringstream.daemon.common.config.Config` (with its user-facing docstri
 
 from __future__ import annotations
 
+import math
+
 from typing import Literal
 
 import msgspec
@@ -78,8 +80,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError(f"max_model_len = {self.max_model_len}: must be >= 2 tokens (or unset)")
         if not 0 < self.memory_utilization <= 1:
             raise ValueError(f"memory_utilization = {self.memory_utilization}: must be in (0, 1]")
-        if self.max_step_ms is not None and not self.max_step_ms >= 0:
-            raise ValueError(f"max_step_ms = {self.max_step_ms}: must be >= 0 milliseconds (0: off), or unset")
+        if self.max_step_ms is not None and not 0 <= self.max_step_ms < math.inf:
+            raise ValueError(f"max_step_ms = {self.max_step_ms}: must be >= 0 milliseconds (0: off) and finite, "
+                             "or unset")
         if self.threads < 0:
             raise ValueError(f"threads = {self.threads}: must be >= 0")
         if not self.synthetic_step_s >= 0:

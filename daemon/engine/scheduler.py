@@ -185,9 +185,11 @@ class StepScheduler:
         """
         scheduled: dict[SequenceState, int] = {}
         budget = self.max_num_batched_tokens
+        decodes = 0
         for decode in (True, False):
             if not decode and self.chunk_limit is not None:  # prompt tokens: the time budget's share
-                budget = min(budget, self.chunk_limit(len(scheduled), self._next_chunk_start()))
+                decodes = len(scheduled)
+                budget = min(budget, self.chunk_limit(decodes, self._next_chunk_start()))
             for seq in list(self.running):
                 if budget == 0:
                     return scheduled
@@ -211,6 +213,9 @@ class StepScheduler:
             if not blocks.can_allocate(num_tokens + reserve * self.block_size, hashes, most_cached):
                 break
             seq.num_computed = blocks.allocate(seq.seq_id, num_tokens, hashes, most_cached)
+            if self.chunk_limit is not None and seq.num_computed and len(scheduled) == decodes:
+                # the step's first chunk starts past a prefix-cache hit: its attention reads that prefix too
+                budget = min(budget, self.chunk_limit(decodes, seq.num_computed))
             self.waiting.popleft()
             seq.running = True
             seq.started = self._next_start
@@ -224,7 +229,8 @@ class StepScheduler:
 
     def _next_chunk_start(self) -> int:
         """Where the step's first prompt chunk starts in its prompt: the first running sequence still in prefill,
-        else 0 (a waiting one; its cached prefix is not known before it is admitted)."""
+        else 0 (a waiting one: its cached prefix is known once it is admitted, and the budget is asked again
+        then)."""
         for seq in self.running:
             if len(seq.token_ids) - seq.num_computed > 1:
                 return seq.num_computed

@@ -100,6 +100,23 @@ def test_the_time_budget_is_asked_for_the_chunk_where_the_running_prompt_stands(
     assert asked == [(0, 0), (1, 0), (1, 5)]
 
 
+def test_a_prompt_admitted_past_a_prefix_cache_hit_is_budgeted_from_where_its_chunk_starts():
+    # a multi-turn chat: the cached prefix is not computed again, but the chunk after it attends it
+    sched = make_scheduler(caching=True, budget=64)
+    sched.add(make_seq(range(10), handle=1, max_output_tokens=1))
+    step(sched)  # two full blocks in the prefix cache; the request ends
+    asked = []
+
+    def limit(decodes: int, start: int) -> int:
+        asked.append((decodes, start))
+        return 2 if start else 64
+
+    sched.chunk_limit = limit
+    sched.add(make_seq(range(20), handle=2))
+    assert step(sched)[0] == {2: 2}  # from position 8 (the hit) on, the budget for that depth: 2 tokens
+    assert asked == [(0, 0), (0, 8)]
+
+
 def test_admission_stops_at_max_num_seqs_and_keeps_a_watermark_while_others_run():
     sched = make_scheduler(num_blocks=5, max_num_seqs=2)  # 4 usable blocks, watermark 1
     for handle in (1, 2, 3):

@@ -2,6 +2,8 @@
 
 import pytest
 
+from ringstream.daemon.common.engine_config import EngineConfig
+
 from ringstream.daemon.engine.step_budget import MIN_CHUNK_TOKENS, StepBudget, chunk_pairs, default_max_step_ms
 
 
@@ -99,7 +101,49 @@ def test_the_fit_follows_attention_that_costs_more_than_measured(target_ms, star
     assert target_ms * 0.95e-3 <= chunk_time(start, n, 4, pair_s=2e-6) <= target_ms * 1.01e-3
 
 
+def test_a_pair_cost_measured_as_zero_is_refitted_by_deep_chunks():
+    # timing noise made the second calibration chunk no slower than the first: no attention term at start
+    budget = StepBudget(100, 4096)
+    budget.calibrate(step_time(1), 256, chunk_time(0, 256), second_chunk_s=chunk_time(0, 256))
+    assert budget.pair_s == 0
+    for _ in range(60):
+        n = budget.chunk_tokens(4, 1000)
+        budget.observe(4, n, chunk_time(1000, n, 4), pairs=chunk_pairs(1000, n))
+    assert budget.pair_s > 0.5e-6  # the rows kept the first chunk's pairs at start: a little less is left here
+    assert 0.095 <= chunk_time(1000, budget.chunk_tokens(4, 1000), 4) <= 0.101
+
+
 def test_defaults_and_bad_targets():
     assert default_max_step_ms("cpu") > default_max_step_ms("cuda") > 0
+    for bad in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="max_step_ms"):
+            StepBudget(bad, 2048)
+    huge = StepBudget(1e300, 2048)
+    huge.calibrate(step_time(1), 256, chunk_time(0, 256), second_chunk_s=chunk_time(256, 256))
+    assert huge.chunk_tokens(16, 5000) == 2032  # the token budget bounds any target
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), -5.0])
+def test_a_target_that_is_not_a_finite_duration_is_a_bad_setting(bad):
     with pytest.raises(ValueError, match="max_step_ms"):
-        StepBudget(0, 2048)
+        EngineConfig(max_step_ms=bad).check()
+    assert EngineConfig(max_step_ms=0).check().max_step_ms == 0  # 0: the token budget alone
+
+
+def test_the_engine_starts_and_serves_at_any_context_length_it_accepts(tmp_path):
+    # the calibration's two prompt chunks and two output tokens need 5 positions; below that, one chunk or none
+    from ringstream.daemon.engine.engine import Engine, EngineRequest, SamplingParams
+    from tests.factories import load_model, load_tokenizer, make_tiny_model_dir
+
+    model_dir = make_tiny_model_dir(tmp_path)
+    tokenizer = load_tokenizer(model_dir)
+    for max_model_len in (2, 3, 4, 5, 6):
+        engine = Engine(load_model(model_dir), tokenizer, EngineConfig(num_blocks=16, max_model_len=max_model_len, max_num_seqs=1,
+                                                       max_num_batched_tokens=8))
+        engine.warmup()
+        engine.add(EngineRequest(1, [5], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
+        outputs = []
+        while engine.has_unfinished():
+            outputs += engine.step()
+        assert [out.finish_reason for out in outputs] == ["length"]
+        assert (engine._budget.fixed_s is not None) == (max_model_len >= 3)  # 2: a one-token prompt, one output
