@@ -81,7 +81,7 @@ from ringstream.daemon.engine.interface import (
 )
 from ringstream.daemon.engine.checks import check_against_model, check_model, ignored_generation_defaults, kv_layout
 from ringstream.daemon.engine.scheduler import SequenceState, StepScheduler
-from ringstream.daemon.engine.step_budget import StepBudget, chunk_pairs, default_max_step_ms
+from ringstream.daemon.engine.step_budget import StepBudget, default_max_step_ms
 from ringstream.daemon.common.model_dir import ModelRefused
 from ringstream.daemon.engine.rope import check_batch_independent, fix_rope_frequencies
 from ringstream.daemon.engine.kernels import native_ops
@@ -303,17 +303,10 @@ class Engine(BaseEngine):
         with torch.inference_mode():
             scheduled = self._scheduler.schedule()
             if scheduled:
-                decodes = pairs = 0
-                for seq, n in scheduled.items():
-                    if len(seq.token_ids) - seq.num_computed == n == 1:
-                        decodes += 1
-                    else:
-                        pairs += chunk_pairs(seq.num_computed, n)
                 started = time.perf_counter()
                 self._run(scheduled, outputs)
                 if self._budget is not None:
-                    self._budget.observe(decodes, sum(scheduled.values()) - decodes, time.perf_counter() - started,
-                                         pairs)
+                    self._budget.observe_step(scheduled, time.perf_counter() - started)
         return outputs
 
     def record_kv_events(self) -> None:
@@ -385,9 +378,7 @@ class Engine(BaseEngine):
         step_budget = self._budget
         step_budget.calibrate(decode_step_s=best[-1], prompt_tokens=length, prompt_step_s=best[0],
                               second_chunk_s=best[1] if chunks == 2 else None)
-        log.info("step budget: %.0f ms a step with a prompt chunk (max_step_ms); measured %.2f ms a step + "
-                 "%.3f ms a row + %.3f ms per 1,000 attention pairs", step_budget.target_s * 1e3,
-                 step_budget.fixed_s * 1e3, step_budget.row_s * 1e3, step_budget.pair_s * 1e6)
+        log.info("step budget: %s", step_budget.describe())
 
     def _traced_run(self, prompt: list[int], params: SamplingParams,
                     max_num_batched_tokens: int) -> tuple[list[int], torch.Tensor, set]:

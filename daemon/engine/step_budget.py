@@ -107,6 +107,26 @@ class StepBudget:
             row = max(seconds - self.fixed_s - self.pair_s * pairs, 0.0) / rows
             self.row_s = max(self.row_s + SMOOTHING * (row - self.row_s), 1e-9)
 
+    def observe_step(self, scheduled: dict, seconds: float) -> None:
+        """:meth:`observe` a step from its schedule, ``{sequence: new tokens}`` (each sequence with ``token_ids``
+        and ``num_computed`` as they were before the step): one new token that completes a sequence is a decode
+        row, the others are prompt chunks, whose pairs are counted from where each starts."""
+        decodes = pairs = 0
+        for seq, n in scheduled.items():
+            if len(seq.token_ids) - seq.num_computed == n == 1:
+                decodes += 1
+            else:
+                pairs += chunk_pairs(seq.num_computed, n)
+        self.observe(decodes, sum(scheduled.values()) - decodes, seconds, pairs)
+
+    def describe(self) -> str:
+        """The target and the fitted costs, in words (the worker logs it at start)."""
+        if self.fixed_s is None or self.row_s is None:
+            return f"{self.target_s * 1e3:.0f} ms a step with a prompt chunk (max_step_ms); not measured"
+        return (f"{self.target_s * 1e3:.0f} ms a step with a prompt chunk (max_step_ms); measured "
+                f"{self.fixed_s * 1e3:.2f} ms a step + {self.row_s * 1e3:.3f} ms a row + "
+                f"{self.pair_s * 1e6:.3f} ms per 1,000 attention pairs")
+
     def chunk_tokens(self, decodes: int, start: int = 0) -> int:
         """Prompt tokens the next step may carry beside ``decodes`` decode rows, for a chunk whose first token is
         at position ``start`` of its prompt (>= 1)."""

@@ -147,3 +147,24 @@ def test_the_engine_starts_and_serves_at_any_context_length_it_accepts(tmp_path)
             outputs += engine.step()
         assert [out.finish_reason for out in outputs] == ["length"]
         assert (engine._budget.fixed_s is not None) == (max_model_len >= 3)  # 2: a one-token prompt, one output
+
+
+def test_a_step_is_observed_from_its_schedule():
+    # a decode row (its last known token), a prompt's first chunk and a later chunk, as the engine schedules them
+    from dataclasses import dataclass
+
+    @dataclass(eq=False)
+    class Seq:
+        token_ids: list
+        num_computed: int
+
+    decode, first, later = Seq([1] * 40, 39), Seq([1] * 300, 0), Seq([1] * 300, 200)
+    seen = []
+    budget = StepBudget(100, 2048)
+    budget.observe = lambda *args: seen.append(args)
+    budget.observe_step({decode: 1, first: 50, later: 30}, 0.07)
+    assert seen == [(1, 80, 0.07, chunk_pairs(0, 50) + chunk_pairs(200, 30))]
+    assert "not measured" in budget.describe()
+    budget = StepBudget(100, 2048)
+    budget.calibrate(step_time(1), 256, chunk_time(0, 256), second_chunk_s=chunk_time(256, 256))
+    assert budget.describe().startswith("100 ms a step") and "1.000 ms a row" in budget.describe()
