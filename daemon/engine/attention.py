@@ -36,9 +36,19 @@ tokens stay equal to ``generate()``). Without it (no compiler, or
 layer, which costs about what the attention reads. CUDA takes the gather path
 (then SDPA or the two matmuls); a paged / varlen FlashAttention kernel reading
 the blocks in place is not used.
+
+On CPU hosts with AVX-512, prompt chunks whose head sizes are multiples of 16
+take the native prefill kernel (``torch.ops.ringstream.paged_prefill``,
+``csrc/paged_prefill.cpp``): FlashAttention's online softmax over the chunk's
+blocks read in place, causal and windowed by position, with no mask. On a
+2-core AMD EPYC, 82M-parameter Llama (12 query / 4 KV heads of 64), a step of
+16 decode rows and 496 prompt tokens: float32 232 -> 213 ms, bfloat16 165 ->
+141 ms; with the prompt chunk deep in an 1,800-token prompt, 359 -> 272 ms.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -138,7 +148,12 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
             o = F.scaled_dot_product_attention(qg.unsqueeze(2), k, v, attn_mask=valid, scale=scaling,
                                                enable_gqa=gqa)
             out[rows] = o.squeeze(2)
+    prefill_native = native is not None and _prefill_supported(native, head_dim, value_dim)
     for chunk in paged.prefill_chunks:
+        if prefill_native:  # reads the pool in place: no gather, no mask
+            native.paged_prefill(out, q, key, value, chunk.block_index, chunk.start, chunk.num_query,
+                                 chunk.context_start, block_size, scaling, window or 0)
+            continue
         k_all, v_all = _gather(key_blocks, value_blocks, chunk.block_index, paged.scratch)
         k_all = k_all.view(1, kv_heads, -1, head_dim)
         v_all = v_all.view(1, kv_heads, -1, value_dim)
@@ -155,6 +170,12 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
                                                    enable_gqa=gqa)
             out[rows] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+@functools.cache
+def _prefill_supported(native, head_dim: int, value_dim: int) -> bool:
+    """Whether ``native.paged_prefill`` serves these head sizes on this host (AVX-512, multiples of 16)."""
+    return bool(native.paged_prefill_supported(head_dim, value_dim))
 
 
 def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scaling: float,

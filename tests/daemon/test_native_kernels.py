@@ -332,10 +332,12 @@ def tiny(tmp_path_factory):
     return model_dir, load_tokenizer(model_dir)
 
 
-def greedy_outputs(model, tokenizer, native: bool) -> dict[int, list[int]]:
+def greedy_outputs(model, tokenizer, native: bool, before_run=None) -> dict[int, list[int]]:
     engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=6, max_num_batched_tokens=32, block_size=4,
                                                    num_blocks=256, native_kernels=native), eos_token_ids=(1,))
     engine.warmup()
+    if before_run is not None:
+        before_run(engine)
     rng = random.Random(3)
     for handle in range(6):
         prompt = [rng.randrange(3, 200) for _ in range(rng.randrange(3, 60))]

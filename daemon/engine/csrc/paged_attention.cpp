@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "vec512.h"
 
 namespace {
 
@@ -186,19 +187,12 @@ inline void weighted_sum(float* out, int64_t out_stride, const float* w, int64_t
 
 // ---- AVX-512: sixteen positions' scores per horizontal reduction
 
-#if defined(RINGSTREAM_X86) && defined(__AVX2__) && defined(__FMA__)
+#if defined(RINGSTREAM_VEC512) && defined(__AVX2__) && defined(__FMA__)
 #define RINGSTREAM_DECODE512 1
 
 constexpr int64_t kAhead512 = 32;  // positions ahead whose key and value are fetched in the score pass
 
-RINGSTREAM_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-RINGSTREAM_AVX512 inline __m512 load16(const c10::BFloat16* p) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-RINGSTREAM_AVX512 inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+using ringstream_cpu::load16;
 
 // Lane p of the result is the sum of a[p]'s sixteen lanes: 512 -> 256 -> 128 bits by pairing registers, then the
 // four lanes of each 128-bit quarter by unpacking, 45 instructions for sixteen sums (one each would take ~8). The
