@@ -97,6 +97,12 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     measured cost of a prompt token on the worker's device, so decoding streams stall about this long at most
     while a long prompt prefills; ``max_num_batched_tokens`` stays the upper bound. Unset: 80 on CPU, 50 on a
     GPU; 0: the token budget alone."""
+    prefill_burst_ratio: float = ENGINE_DEFAULTS.prefill_burst_ratio
+    """When the requests with prompts still to compute number at least this many times the decoding ones, a step
+    takes prompt tokens up to ``max_num_batched_tokens`` regardless of ``max_step_ms``: a burst of arrivals is
+    prefilled in a few large steps and then decodes together with no prompt chunks between its tokens (lower
+    TPOT), paying with its TTFT and one long step for the streams already decoding. 0: off (every step bounded
+    by ``max_step_ms``); 1.0: a burst when prompts to compute are at least as many as the decoding streams."""
     queue_size: int = 10_000
     """Requests waiting at most (all workers); a request beyond it gets ``QUEUE_FULL`` at once."""
     client_timeout_s: float = 10.0

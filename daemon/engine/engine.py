@@ -174,6 +174,7 @@ class Engine(BaseEngine):
         max_step_ms = config.max_step_ms if config.max_step_ms is not None else default_max_step_ms(self.device.type)
         self._budget = StepBudget(max_step_ms, config.max_num_batched_tokens) if max_step_ms > 0 else None
         self._scheduler.chunk_limit = self._budget.chunk_tokens if self._budget is not None else None
+        self._scheduler.burst_ratio = config.prefill_burst_ratio
         self._next_seq_id = 0
         self._warmup_failure = ""
         self._grammars = GrammarCompiler(tokenizer, self.vocab_size,

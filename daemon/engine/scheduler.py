@@ -125,6 +125,10 @@ class StepScheduler:
         """``(decodes, start) -> prompt tokens`` the step may add beside that many decode rows, for a chunk from
         position ``start`` of its prompt (the engine's time budget,
         :class:`ringstream.daemon.engine.step_budget.StepBudget`); None: the token budget alone."""
+        self.burst_ratio = 0.0
+        """A step is a prefill burst, its prompt tokens bounded by the token budget alone (not ``chunk_limit``),
+        when the prompts still to compute that the batch can take number at least this many times the step's
+        decodes (:meth:`_burst`); 0: never (the engine's ``prefill_burst_ratio``)."""
         self.watermark = max(1, int(blocks.num_usable_blocks * WATERMARK_FRACTION))
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
@@ -186,10 +190,13 @@ class StepScheduler:
         scheduled: dict[SequenceState, int] = {}
         budget = self.max_num_batched_tokens
         decodes = 0
+        timed = self.chunk_limit is not None
         for decode in (True, False):
-            if not decode and self.chunk_limit is not None:  # prompt tokens: the time budget's share
+            if not decode and timed:  # prompt tokens: the time budget's share, unless the step is a burst
                 decodes = len(scheduled)
-                budget = min(budget, self.chunk_limit(decodes, self._next_chunk_start()))
+                timed = not self._burst(decodes)
+                if timed:
+                    budget = min(budget, self.chunk_limit(decodes, self._next_chunk_start()))
             for seq in list(self.running):
                 if budget == 0:
                     return scheduled
@@ -213,7 +220,7 @@ class StepScheduler:
             if not blocks.can_allocate(num_tokens + reserve * self.block_size, hashes, most_cached):
                 break
             seq.num_computed = blocks.allocate(seq.seq_id, num_tokens, hashes, most_cached)
-            if self.chunk_limit is not None and seq.num_computed and len(scheduled) == decodes:
+            if timed and seq.num_computed and len(scheduled) == decodes:
                 # the step's first chunk starts past a prefix-cache hit: its attention reads that prefix too
                 budget = min(budget, self.chunk_limit(decodes, seq.num_computed))
             self.waiting.popleft()
@@ -226,6 +233,17 @@ class StepScheduler:
             scheduled[seq] = num_new
             budget -= num_new
         return scheduled
+
+    def _burst(self, decodes: int) -> bool:
+        """Whether this step is a prefill burst: the sequences with prompt tokens still to compute that the batch
+        can take (running ones in prefill, and waiting ones up to ``max_num_seqs``) number at least
+        ``burst_ratio`` times ``decodes``, the step's decode rows (TGI's ``waiting_served_ratio`` test, applied
+        to the size of the step rather than to when a prefill starts)."""
+        if not self.burst_ratio:
+            return False
+        admissible = min(len(self.waiting), self.max_num_seqs - len(self.running))
+        prompts = len(self.running) - decodes + max(0, admissible)
+        return prompts > 0 and prompts >= self.burst_ratio * decodes
 
     def _next_chunk_start(self) -> int:
         """Where the step's first prompt chunk starts in its prompt: the first running sequence still in prefill,

@@ -117,6 +117,34 @@ def test_a_prompt_admitted_past_a_prefix_cache_hit_is_budgeted_from_where_its_ch
     assert asked == [(0, 0), (0, 8)]
 
 
+def test_a_prefill_burst_takes_the_token_budget_when_prompts_outnumber_decodes():
+    sched = make_scheduler(budget=64, max_num_seqs=4)
+    sched.chunk_limit = lambda decodes, start: 3
+    sched.burst_ratio = 1.0
+    sched.add(make_seq(range(2), handle=1))
+    assert step(sched)[0] == {1: 2}  # no decodes yet: one prompt is a burst, the token budget bounds it
+    sched.add(make_seq(range(20), handle=2))
+    assert step(sched)[0] == {1: 1, 2: 20}  # one prompt beside one decode: 1 >= 1.0 x 1
+    for handle in (3, 4):
+        sched.add(make_seq(range(20), handle=handle))
+    assert step(sched)[0] == {1: 1, 2: 1, 3: 20, 4: 20}  # two prompts, two decodes
+    sched.burst_ratio = 2.0
+    sched.add(make_seq(range(20), handle=5))  # waits: the batch is full (max_num_seqs 4), so it is not counted
+    assert step(sched)[0] == {1: 1, 2: 1, 3: 1, 4: 1}
+    sched.release(sched.by_handle[4])
+    chosen, _ = step(sched)  # one prompt the batch can take beside three decodes: 1 < 2.0 x 3, the time budget
+    assert chosen == {1: 1, 2: 1, 3: 1, 5: 3}
+
+
+def test_without_a_burst_ratio_every_prompt_chunk_keeps_the_time_budget():
+    sched = make_scheduler(budget=64, max_num_seqs=4)
+    sched.chunk_limit = lambda decodes, start: 3
+    for handle in (1, 2, 3):
+        sched.add(make_seq(range(20), handle=handle))
+    assert step(sched)[0] == {1: 3}
+    assert sched.burst_ratio == 0
+
+
 def test_admission_stops_at_max_num_seqs_and_keeps_a_watermark_while_others_run():
     sched = make_scheduler(num_blocks=5, max_num_seqs=2)  # 4 usable blocks, watermark 1
     for handle in (1, 2, 3):

@@ -130,6 +130,13 @@ def test_a_target_that_is_not_a_finite_duration_is_a_bad_setting(bad):
     assert EngineConfig(max_step_ms=0).check().max_step_ms == 0  # 0: the token budget alone
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), -1.0])
+def test_a_burst_ratio_that_is_not_a_finite_ratio_is_a_bad_setting(bad):
+    with pytest.raises(ValueError, match="prefill_burst_ratio"):
+        EngineConfig(prefill_burst_ratio=bad).check()
+    assert EngineConfig(prefill_burst_ratio=1.5).check().prefill_burst_ratio == 1.5
+
+
 def test_the_engine_starts_and_serves_at_any_context_length_it_accepts(tmp_path):
     # the calibration's two prompt chunks and two output tokens need 5 positions; below that, one chunk or none
     from ringstream.daemon.engine.engine import Engine, EngineRequest, SamplingParams
@@ -147,6 +154,18 @@ def test_the_engine_starts_and_serves_at_any_context_length_it_accepts(tmp_path)
             outputs += engine.step()
         assert [out.finish_reason for out in outputs] == ["length"]
         assert (engine._budget.fixed_s is not None) == (max_model_len >= 3)  # 2: a one-token prompt, one output
+
+
+def test_the_burst_ratio_setting_reaches_the_scheduler(tmp_path):
+    from ringstream.daemon.common.config import Config
+    from ringstream.daemon.engine.engine import Engine
+    from tests.factories import load_model, load_tokenizer, make_tiny_model_dir
+
+    model_dir = make_tiny_model_dir(tmp_path)
+    config = EngineConfig.from_settings(Config(prefill_burst_ratio=2.0), num_blocks=32, max_num_seqs=2,
+                                        max_num_batched_tokens=8)
+    engine = Engine(load_model(model_dir), load_tokenizer(model_dir), config)
+    assert engine._scheduler.burst_ratio == 2.0
 
 
 def test_a_step_is_observed_from_its_schedule():
