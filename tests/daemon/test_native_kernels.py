@@ -97,6 +97,10 @@ def test_paged_decode_refuses_what_it_cannot_read(ops):
     with pytest.raises(RuntimeError, match="multiple of kv_heads"):
         ops.paged_decode(torch.empty(1, 3, 16), torch.zeros(1, 3, 16), key, key, torch.zeros(2, dtype=torch.long),
                          torch.ones(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 16, 1.0, 0)
+    with pytest.raises(RuntimeError, match="kv_heads"):  # no KV heads: refused, not a division by zero
+        ops.paged_decode(torch.empty(1, 2, 16), torch.zeros(1, 2, 16), key[:0], key[:0],
+                         torch.zeros(2, dtype=torch.long), torch.ones(1, dtype=torch.long),
+                         torch.zeros(1, dtype=torch.long), 16, 1.0, 0)
     with pytest.raises(RuntimeError, match="int64"):
         ops.paged_decode(torch.empty(1, 2, 16), torch.zeros(1, 2, 16), key, key, torch.zeros(2, dtype=torch.int32),
                          torch.ones(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 16, 1.0, 0)

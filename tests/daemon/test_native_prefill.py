@@ -90,6 +90,15 @@ def test_paged_prefill_sliding_window_block_size_and_value_head_size(ops, head_d
         torch.testing.assert_close(out[3:3 + num_query].double(), want, atol=1e-5, rtol=1e-5)
 
 
+def test_a_window_wider_than_any_position_is_full_causal_attention(ops):
+    query, key, value, table, slots = chunk_case(3, 2, 2, 64, 64, 100, 40, 16, torch.float32, row_start=0,
+                                                 extra_rows=0)
+    want = reference(query, key, value, slots, 100, 0.125, 0)
+    for window in (140, 2 ** 31, 2 ** 32 + 5, 2 ** 40):  # past int32 too: never wrapped into a narrow window
+        out = run(ops, query, key, value, table, 0, 40, 100, 16, 0.125, window)
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
 def test_paged_prefill_fuzz_against_float64(ops):
     rng = random.Random(11)
     for case in range(60):
@@ -150,6 +159,14 @@ def test_paged_prefill_refuses_shapes_and_indices_it_would_read_past(ops):
         call(query=torch.zeros(20, 4, 24), key=torch.zeros(2, key.shape[1], 24))
     with pytest.raises(RuntimeError, match="block_size must be > 0"):
         call(block_size=0)
+    with pytest.raises(RuntimeError, match="kv_heads"):
+        call(key=torch.empty(0, 64, 16), value=torch.empty(0, 64, 16))
+    guard = torch.full((21, 4, 16), 7.0)  # out = guard[1:]: a write before row 0 would land in guard[0]
+    with pytest.raises(RuntimeError, match="outside the 20 query rows"):  # row_start + num_query overflows int64
+        call(out=guard[1:], row_start=2 ** 63 - 1, num_query=1)
+    assert (guard[0] == 7.0).all()
+    with pytest.raises(RuntimeError, match="context_start"):  # context_start + num_query overflows
+        call(context_start=2 ** 63 - 1, num_query=1)
     assert not ops.paged_prefill_supported(40, 40) and not ops.paged_prefill_supported(64, 40)
 
 

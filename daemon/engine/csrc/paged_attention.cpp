@@ -405,7 +405,8 @@ void paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& key
               "paged_decode: the last dimension must be contiguous");
   TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type() &&
               out.scalar_type() == query.scalar_type(), "paged_decode: one dtype");
-  TORCH_CHECK(query.size(1) % key.size(0) == 0, "paged_decode: heads must be a multiple of kv_heads");
+  TORCH_CHECK(key.size(0) > 0 && query.size(1) % key.size(0) == 0,
+              "paged_decode: heads must be a multiple of kv_heads (> 0)");
   TORCH_CHECK(block_index.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong &&
               rows.scalar_type() == at::kLong, "paged_decode: int64 indices");
   TORCH_CHECK(block_index.is_contiguous() && lengths.is_contiguous() && rows.is_contiguous(),

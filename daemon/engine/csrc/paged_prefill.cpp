@@ -257,7 +257,8 @@ void paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& ke
               "paged_prefill: the last dimension must be contiguous");
   TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type() &&
               out.scalar_type() == query.scalar_type(), "paged_prefill: one dtype");
-  TORCH_CHECK(query.size(1) % key.size(0) == 0, "paged_prefill: heads must be a multiple of kv_heads");
+  TORCH_CHECK(key.size(0) > 0 && query.size(1) % key.size(0) == 0,
+              "paged_prefill: heads must be a multiple of kv_heads (> 0)");
   TORCH_CHECK(query.size(2) == key.size(2), "paged_prefill: query head_dim ", query.size(2), " != key head_dim ",
               key.size(2));
   TORCH_CHECK(out.size(0) == query.size(0) && out.size(1) == query.size(1) && out.size(2) == value.size(2),
@@ -268,10 +269,13 @@ void paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& ke
   TORCH_CHECK(prefill_supported(query.size(2), value.size(2)),
               "paged_prefill: needs AVX-512 and head sizes that are multiples of 16 (see paged_prefill_supported)");
   TORCH_CHECK(block_size > 0, "paged_prefill: block_size must be > 0, got ", block_size);
-  TORCH_CHECK(num_query >= 0 && context_start >= 0 && row_start >= 0 && row_start + num_query <= query.size(0),
-              "paged_prefill: rows [", row_start, ", ", row_start + num_query, ") outside the ", query.size(0),
-              " query rows");
-  TORCH_CHECK(context_start + num_query < std::numeric_limits<int32_t>::max(), "paged_prefill: position overflow");
+  // positions are int32 lanes: each bound first, so that no sum below can overflow
+  constexpr int64_t kMaxPosition = std::numeric_limits<int32_t>::max() / 2;
+  TORCH_CHECK(num_query >= 0 && row_start >= 0 && row_start <= query.size(0) &&
+              num_query <= query.size(0) - row_start, "paged_prefill: rows [", row_start, ", +", num_query,
+              ") outside the ", query.size(0), " query rows");
+  TORCH_CHECK(context_start >= 0 && context_start < kMaxPosition && num_query < kMaxPosition,
+              "paged_prefill: context_start ", context_start, " outside [0, ", kMaxPosition, ")");
   TORCH_CHECK(block_index.scalar_type() == at::kLong && block_index.is_contiguous(),
               "paged_prefill: block_index must be contiguous int64");
   const int64_t length = context_start + num_query, pool_blocks = key.size(1) / block_size;
@@ -282,6 +286,7 @@ void paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& ke
     TORCH_CHECK(table[b] >= 0 && table[b] < pool_blocks, "paged_prefill: block ", table[b], " outside the pool of ",
                 pool_blocks, " blocks");
   if (num_query == 0) return;
+  if (window >= length) window = 0;  // no position reaches past it: full causal attention (no int32 overflow)
 #ifdef RINGSTREAM_VEC512
   switch (query.scalar_type()) {
     case at::kFloat:
