@@ -90,16 +90,27 @@ RINGSTREAM_AVX512 inline __mmask16 visible(int64_t t, __m512i pv, __m512i low, i
 // tile); lanes past R are padding, at position -1, which no key is visible to.
 template <typename T>
 struct PrefillTask {
-  int64_t D, VD, R16, vectors;
+  int64_t D, VD, R16 = 0, vectors = 0;
   std::vector<float> qt, st, ot, m, l;  // Q^T [D][R16] (scaled), S^T / P^T [kKeyTile][R16], O^T [VD][R16], m, l
   std::vector<int32_t> pos;             // each lane's query position
   std::vector<uint16_t> nan;            // lanes that met a NaN score, per vector
   std::vector<const T*> krows, vrows;
 
-  PrefillTask(int64_t head_dim, int64_t value_dim, int64_t max_rows)
-      : D(head_dim), VD(value_dim), R16((max_rows + 15) / 16 * 16), vectors(R16 / 16) {
-    qt.resize(D * R16), st.resize(kKeyTile * R16), ot.resize(VD * R16), m.resize(R16), l.resize(R16);
-    pos.resize(R16), nan.resize(vectors), krows.resize(kKeyTile), vrows.resize(std::max(VD, kKeyTile));
+  PrefillTask(int64_t head_dim, int64_t value_dim, int64_t max_rows) : D(head_dim), VD(value_dim) {
+    const int64_t most = (max_rows + 15) / 16 * 16;
+    qt.resize(D * most), st.resize(kKeyTile * most), ot.resize(VD * most), m.resize(most), l.resize(most);
+    pos.resize(most), nan.resize(most / 16), krows.resize(kKeyTile), vrows.resize(kKeyTile);
+  }
+
+  // A task of `rows` lanes (a short chunk computes as few vectors as it fills): cleared state.
+  void start(int64_t rows) {
+    R16 = (rows + 15) / 16 * 16, vectors = R16 / 16;
+    std::fill_n(qt.begin(), D * R16, 0.f);
+    std::fill_n(ot.begin(), VD * R16, 0.f);
+    std::fill_n(m.begin(), R16, -std::numeric_limits<float>::infinity());
+    std::fill_n(l.begin(), R16, 0.f);
+    std::fill_n(pos.begin(), R16, -1);
+    std::fill_n(nan.begin(), vectors, 0);
   }
 
   // The softmax step over key positions [kt, kt + kn): mask, new maxima, rescale of l and O^T, P^T in place of S^T.
@@ -191,12 +202,7 @@ void prefill_kernel(const at::Tensor& out, const at::Tensor& query, const at::Te
     for (int64_t n = begin; n < end; ++n) {
       const auto [h, tile] = tasks[n];
       const int64_t i0 = tile * kQueryTile, positions = std::min(kQueryTile, num_query - i0);
-      std::fill(task.qt.begin(), task.qt.end(), 0.f);
-      std::fill(task.ot.begin(), task.ot.end(), 0.f);
-      std::fill(task.m.begin(), task.m.end(), -std::numeric_limits<float>::infinity());
-      std::fill(task.l.begin(), task.l.end(), 0.f);
-      std::fill(task.pos.begin(), task.pos.end(), -1);
-      std::fill(task.nan.begin(), task.nan.end(), 0);
+      task.start(G * positions);
       const float sc = static_cast<float>(scale);
       for (int64_t g = 0; g < G; ++g)
         for (int64_t i = 0; i < positions; ++i) {
