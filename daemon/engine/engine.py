@@ -91,19 +91,8 @@ from ringstream.daemon.engine.linear import pack_linears
 from ringstream.daemon.engine.memory import pool_blocks
 from ringstream.daemon.engine.model_runner import ModelRunner
 
-__all__ = [
-    "ENGINE_DEFAULTS",
-    "BaseEngine",
-    "EngineConfig",
-    "CapacityError",
-    "Engine",
-    "EngineError",
-    "EngineRequest",
-    "PromptTooLong",
-    "RequestError",
-    "SamplingParams",
-    "TokenOutput",
-]
+__all__ = ["ENGINE_DEFAULTS", "BaseEngine", "EngineConfig", "CapacityError", "Engine", "EngineError", "EngineRequest",
+           "PromptTooLong", "RequestError", "SamplingParams", "TokenOutput"]
 
 log = logging.getLogger("ringstream.engine")
 
@@ -160,6 +149,9 @@ class Engine(BaseEngine):
             if native is not None:
                 fuse_elementwise(model, native)
         kv_heads, head_dim, value_head_dim = kv_layout(model, text_config)
+        if native is not None:  # prompt chunks' kernel: AVX-512 and head sizes that are multiples of 16
+            prefill = "native" if native.paged_prefill_supported(head_dim, value_head_dim) else "PyTorch SDPA"
+            log.info("native CPU kernels in use (prompt-chunk attention: %s)", prefill)
         num_blocks = pool_blocks(model, config, self.max_model_len, self.device,
                                  PagedKVCache.bytes_per_block(text_config.num_hidden_layers, config.block_size,
                                                               kv_heads, head_dim, self.dtype.itemsize, value_head_dim))
@@ -379,7 +371,9 @@ class Engine(BaseEngine):
         step_budget = self._budget
         step_budget.calibrate(decode_step_s=best[-1], prompt_tokens=length, prompt_step_s=best[0],
                               second_chunk_s=best[1] if chunks == 2 else None)
-        log.info("step budget: %s", step_budget.describe())
+        burst = self._scheduler.burst_ratio
+        log.info("step budget: %s%s", step_budget.describe(),
+                 f"; prefill bursts when prompts >= {burst:g} x decodes (prefill_burst_ratio)" if burst else "")
 
     def _traced_run(self, prompt: list[int], params: SamplingParams,
                     max_num_batched_tokens: int) -> tuple[list[int], torch.Tensor, set]:
