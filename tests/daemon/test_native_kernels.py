@@ -3,10 +3,8 @@ fallback when the kernel cannot be built, and the engine's tokens with and witho
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import random
-import shutil
 import subprocess
 import sys
 
@@ -16,21 +14,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ringstream.daemon.engine import kernels
-from ringstream.daemon.engine.engine import Engine, EngineConfig, EngineRequest, SamplingParams
 from ringstream.daemon.engine.linear import FusedLinearSlice, LinearKernel, PackedLinear, pack_linears
-from tests.factories import load_model, load_tokenizer, make_tiny_model_dir
-
-BUILDABLE = shutil.which("c++") is not None and importlib.util.find_spec("ninja") is not None
+from tests.daemon.native_helpers import greedy_outputs, native_ops_or_skip, tiny  # noqa: F401 (fixture)
+from tests.factories import load_model
 
 
 @pytest.fixture(scope="module")
 def ops():
-    ops = kernels.native_ops()
-    if ops is None:
-        if BUILDABLE:
-            pytest.fail("a C++ compiler and ninja are here, yet the native kernels did not build")
-        pytest.skip("no C++ compiler or ninja: the native kernels cannot be built here")
-    return ops
+    return native_ops_or_skip()
 
 
 def reference(query, key, value, tables, lengths, block_size, scale, window):
@@ -330,27 +321,6 @@ def test_fused_siblings_give_each_member_its_own_output_in_any_order(ops, native
     assert len(calls) == 2
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    model_dir = make_tiny_model_dir(tmp_path_factory.mktemp("native"))
-    return model_dir, load_tokenizer(model_dir)
-
-
-def greedy_outputs(model, tokenizer, native: bool, before_run=None) -> dict[int, list[int]]:
-    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=6, max_num_batched_tokens=32, block_size=4,
-                                                   num_blocks=256, native_kernels=native), eos_token_ids=(1,))
-    engine.warmup()
-    if before_run is not None:
-        before_run(engine)
-    rng = random.Random(3)
-    for handle in range(6):
-        prompt = [rng.randrange(3, 200) for _ in range(rng.randrange(3, 60))]
-        engine.add(EngineRequest(handle, prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)))
-    outputs: dict[int, list[int]] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            outputs.setdefault(out.handle, []).append(out.token_id)
-    return outputs
 
 
 def test_engine_tokens_are_the_same_with_and_without_the_fast_paths(ops, tiny):

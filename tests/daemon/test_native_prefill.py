@@ -10,18 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.daemon.test_native_kernels import BUILDABLE, greedy_outputs, tiny  # noqa: F401 (fixture)
-from ringstream.daemon.engine import kernels
+from tests.daemon.native_helpers import greedy_outputs, native_ops_or_skip, tiny  # noqa: F401 (fixture)
 from tests.factories import load_model
 
 
 @pytest.fixture(scope="module")
 def ops():
-    ops = kernels.native_ops()
-    if ops is None:
-        if BUILDABLE:
-            pytest.fail("a C++ compiler and ninja are here, yet the native kernels did not build")
-        pytest.skip("no C++ compiler or ninja: the native kernels cannot be built here")
+    ops = native_ops_or_skip()
     if not ops.paged_prefill_supported(64, 64):
         pytest.skip("the native prefill attention needs AVX-512")
     return ops
