@@ -167,6 +167,8 @@ class Engine(BaseEngine):
         self._budget = StepBudget(max_step_ms, config.max_num_batched_tokens) if max_step_ms > 0 else None
         self._scheduler.chunk_limit = self._budget.chunk_tokens if self._budget is not None else None
         self._scheduler.burst_ratio = config.prefill_burst_ratio
+        if config.prefill_burst_ratio and self._budget is None:
+            log.warning("prefill_burst_ratio has no effect with max_step_ms = 0: no time bound to lift")
         self._next_seq_id = 0
         self._warmup_failure = ""
         self._grammars = GrammarCompiler(tokenizer, self.vocab_size,

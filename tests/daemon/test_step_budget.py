@@ -156,7 +156,7 @@ def test_the_engine_starts_and_serves_at_any_context_length_it_accepts(tmp_path)
         assert (engine._budget.fixed_s is not None) == (max_model_len >= 3)  # 2: a one-token prompt, one output
 
 
-def test_the_burst_ratio_setting_reaches_the_scheduler(tmp_path):
+def test_the_burst_ratio_setting_reaches_the_scheduler(tmp_path, caplog):
     from ringstream.daemon.common.config import Config
     from ringstream.daemon.engine.engine import Engine
     from tests.factories import load_model, load_tokenizer, make_tiny_model_dir
@@ -166,6 +166,11 @@ def test_the_burst_ratio_setting_reaches_the_scheduler(tmp_path):
                                         max_num_batched_tokens=8)
     engine = Engine(load_model(model_dir), load_tokenizer(model_dir), config)
     assert engine._scheduler.burst_ratio == 2.0
+    assert "no effect" not in caplog.text
+    untimed = EngineConfig.from_settings(Config(prefill_burst_ratio=2.0, max_step_ms=0), num_blocks=32,
+                                         max_num_seqs=2, max_num_batched_tokens=8)
+    Engine(load_model(model_dir), load_tokenizer(model_dir), untimed)
+    assert "prefill_burst_ratio has no effect with max_step_ms = 0" in caplog.text  # no time bound to lift
 
 
 def test_a_step_is_observed_from_its_schedule():
