@@ -95,7 +95,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_step_ms: float | None = ENGINE_DEFAULTS.max_step_ms
     """Target duration of an engine step that carries a prompt chunk, milliseconds: the chunk is sized from the
     measured cost of a prompt token on the worker's device, so decoding streams stall about this long at most
-    while a long prompt prefills; ``max_num_batched_tokens`` stays the upper bound. Unset: 80 on CPU, 50 on a
+    while a long prompt prefills; ``max_num_batched_tokens`` stays the upper bound. Unset: 50 on CPU and on a
     GPU; 0: the token budget alone."""
     prefill_burst_ratio: float = ENGINE_DEFAULTS.prefill_burst_ratio
     """When the requests with prompts still to compute number at least this many times the decoding ones, a step

@@ -43,7 +43,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_step_ms: float | None = None
     """Target duration of a step that carries a prompt chunk, milliseconds: chunks are sized from the measured
     cost of a prompt token on the worker's device (:mod:`ringstream.daemon.engine.step_budget`), within
-    ``max_num_batched_tokens``. None: the device's default (80 on CPU, 50 on an accelerator); 0: the token
+    ``max_num_batched_tokens``. None: the device's default (50 ms on CPU and on an accelerator); 0: the token
     budget alone."""
     prefill_burst_ratio: float = 0.0
     """When the requests with prompts still to compute (that the batch can take) number at least this many times

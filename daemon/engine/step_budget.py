@@ -31,9 +31,11 @@ import math
 __all__ = ["ACCELERATOR_MAX_STEP_MS", "CPU_MAX_STEP_MS", "MIN_CHUNK_TOKENS", "StepBudget", "chunk_pairs",
            "default_max_step_ms"]
 
-CPU_MAX_STEP_MS = 80.0
+CPU_MAX_STEP_MS = 50.0
 """Default target of a step with a prompt chunk on CPU, milliseconds: a 4,096-token prompt's chunks then stall 16
-decoding streams for at most ~0.2 of its TTFT on two cores (``ringstream-bench kv``, (c) at the defaults)."""
+decoding streams for 0.23-0.25 of its TTFT on two cores (``ringstream-bench kv``, (c) at the defaults; at 80 ms,
+0.37 once the native prefill attention made that prompt's TTFT 481-570 -> 225-254 ms). It costs the
+prefill-heavy side-by-side ~4% of its throughput against 80 ms."""
 ACCELERATOR_MAX_STEP_MS = 50.0
 """Default target on an accelerator (CUDA), milliseconds."""
 MIN_CHUNK_TOKENS = 16
@@ -76,14 +78,16 @@ class StepBudget:
         """What each (query, key) pair of a prompt chunk's attention adds, seconds (0 until measured)."""
 
     def calibrate(self, decode_step_s: float, prompt_tokens: int, prompt_step_s: float,
-                  second_chunk_s: float | None = None) -> None:
+                  second_chunk_s: float | None = None, second_start: int | None = None) -> None:
         """Start values: a one-row decode step took ``decode_step_s`` seconds, a step of the first ``prompt_tokens``
-        (> 1) tokens of a prompt ``prompt_step_s``, and, where given, a step of its next ``prompt_tokens`` (which
-        attend the first ones too) ``second_chunk_s``."""
+        (> 1) tokens of a prompt ``prompt_step_s``, and, where given, a step of ``prompt_tokens`` more from
+        position ``second_start`` of it (default ``prompt_tokens``: the next ones; they attend all before them
+        too) ``second_chunk_s``."""
         n = max(prompt_tokens, 1)
         first_pairs = chunk_pairs(0, n)
-        if second_chunk_s is not None:  # the second chunk has n x n more pairs than the first, and as many rows
-            self.pair_s = max((second_chunk_s - prompt_step_s) / (n * n), 0.0)
+        if second_chunk_s is not None:  # as many rows as the first chunk, and more pairs
+            extra = chunk_pairs(n if second_start is None else second_start, n) - first_pairs
+            self.pair_s = max((second_chunk_s - prompt_step_s) / max(extra, 1), 0.0)
         self.row_s = max((prompt_step_s - self.pair_s * first_pairs - decode_step_s) / max(n - 1, 1), 1e-9)
         self.fixed_s = max(decode_step_s - self.row_s, 0.0)
 
