@@ -32,7 +32,7 @@ log = logging.getLogger("ringstream.engine")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "paged_prefill.cpp", CSRC / "gemm.cpp", CSRC / "elementwise.cpp"]
-HEADERS = [CSRC / "exp_avx2.h", CSRC / "cpu_features.h", CSRC / "vec512.h"]
+HEADERS = [CSRC / "exp_avx2.h", CSRC / "exp_poly.h", CSRC / "cpu_features.h", CSRC / "pool_checks.h", CSRC / "vec512.h"]
 OPENMP_FLAGS = ("-fopenmp",)
 
 

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "pool_checks.h"
 #include "vec512.h"
 
 namespace {
@@ -399,26 +400,12 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& query, const at::Ten
 void paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                   const at::Tensor& block_index, const at::Tensor& lengths, const at::Tensor& rows,
                   int64_t block_size, double scale, int64_t window) {
-  TORCH_CHECK(query.device().is_cpu(), "paged_decode: CPU tensors only");
-  TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && key.dim() == 3 && value.dim() == 3, "paged_decode: shapes");
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key.stride(2) == 1 && value.stride(2) == 1,
-              "paged_decode: the last dimension must be contiguous");
-  TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type() &&
-              out.scalar_type() == query.scalar_type(), "paged_decode: one dtype");
-  TORCH_CHECK(key.size(0) > 0 && query.size(1) % key.size(0) == 0,
-              "paged_decode: heads must be a multiple of kv_heads (> 0)");
+  ringstream_cpu::check_pool_attention("paged_decode", out, query, key, value);
   TORCH_CHECK(block_index.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong &&
               rows.scalar_type() == at::kLong, "paged_decode: int64 indices");
   TORCH_CHECK(block_index.is_contiguous() && lengths.is_contiguous() && rows.is_contiguous(),
               "paged_decode: contiguous indices");
   TORCH_CHECK(block_size > 0, "paged_decode: block_size must be > 0, got ", block_size);
-  TORCH_CHECK(query.size(2) == key.size(2), "paged_decode: query head_dim ", query.size(2), " != key head_dim ",
-              key.size(2));
-  TORCH_CHECK(out.size(0) == query.size(0) && out.size(1) == query.size(1) && out.size(2) == value.size(2),
-              "paged_decode: out must be [", query.size(0), ", ", query.size(1), ", ", value.size(2), "], got ",
-              out.sizes());
-  TORCH_CHECK(value.size(0) == key.size(0) && value.size(1) == key.size(1),
-              "paged_decode: key and value pools differ: ", key.sizes(), " and ", value.sizes());
   const int64_t groups = rows.numel();
   TORCH_CHECK(lengths.numel() == groups, "paged_decode: ", lengths.numel(), " lengths for ", groups, " rows");
   TORCH_CHECK(groups == 0 || block_index.numel() % groups == 0, "paged_decode: block_index of ", block_index.numel(),

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "pool_checks.h"
 #include "vec512.h"
 
 namespace {
@@ -257,21 +258,7 @@ bool prefill_supported(int64_t head_dim, int64_t value_dim) {
 void paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                    const at::Tensor& block_index, int64_t row_start, int64_t num_query, int64_t context_start,
                    int64_t block_size, double scale, int64_t window) {
-  TORCH_CHECK(query.device().is_cpu(), "paged_prefill: CPU tensors only");
-  TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && key.dim() == 3 && value.dim() == 3, "paged_prefill: shapes");
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key.stride(2) == 1 && value.stride(2) == 1,
-              "paged_prefill: the last dimension must be contiguous");
-  TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type() &&
-              out.scalar_type() == query.scalar_type(), "paged_prefill: one dtype");
-  TORCH_CHECK(key.size(0) > 0 && query.size(1) % key.size(0) == 0,
-              "paged_prefill: heads must be a multiple of kv_heads (> 0)");
-  TORCH_CHECK(query.size(2) == key.size(2), "paged_prefill: query head_dim ", query.size(2), " != key head_dim ",
-              key.size(2));
-  TORCH_CHECK(out.size(0) == query.size(0) && out.size(1) == query.size(1) && out.size(2) == value.size(2),
-              "paged_prefill: out must be [", query.size(0), ", ", query.size(1), ", ", value.size(2), "], got ",
-              out.sizes());
-  TORCH_CHECK(value.size(0) == key.size(0) && value.size(1) == key.size(1),
-              "paged_prefill: key and value pools differ: ", key.sizes(), " and ", value.sizes());
+  ringstream_cpu::check_pool_attention("paged_prefill", out, query, key, value);
   TORCH_CHECK(prefill_supported(query.size(2), value.size(2)),
               "paged_prefill: needs AVX-512 and head sizes that are multiples of 16 (see paged_prefill_supported)");
   TORCH_CHECK(block_size > 0, "paged_prefill: block_size must be > 0, got ", block_size);
