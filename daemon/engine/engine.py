@@ -86,7 +86,7 @@ from ringstream.daemon.common.model_dir import ModelRefused
 from ringstream.daemon.engine.rope import check_batch_independent, fix_rope_frequencies
 from ringstream.daemon.engine.kernels import native_ops
 from ringstream.daemon.engine.kv_cache import PagedKVCache
-from ringstream.daemon.engine.fused import fuse_elementwise
+from ringstream.daemon.engine.fused import fuse_attention, fuse_elementwise
 from ringstream.daemon.engine.linear import pack_linears
 from ringstream.daemon.engine.memory import pool_blocks
 from ringstream.daemon.engine.model_runner import ModelRunner
@@ -150,6 +150,7 @@ class Engine(BaseEngine):
             pack_linears(model, native)  # before the memory profile: the packed weights replace the stored ones
             if native is not None:
                 fuse_elementwise(model, native)
+                fuse_attention(model, native)
         kv_heads, head_dim, value_head_dim = kv_layout(model, text_config)
         if native is not None:  # prompt chunks' kernel: AVX-512 and head sizes that are multiples of 16
             prefill = "native" if native.paged_prefill_supported(head_dim, value_head_dim) else "PyTorch SDPA"

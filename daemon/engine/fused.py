@@ -12,6 +12,15 @@ Which modules: those whose class's ``forward`` is, token for token, Llama's (``L
 the check follows the code rather than a list of class names. A family that changes the formula (Gemma's
 ``1 + weight``, a bias, another activation) keeps its own forward. Results equal the modules' to float32
 rounding (the sum of squares is accumulated in another order).
+
+:func:`fuse_attention` does the same for attention blocks whose forward, ``apply_rotary_pos_emb`` and
+``rotate_half`` are Llama's: in an engine step (the paged KV cache and the step's metadata present) the block runs
+the fused q / k / v projection, then ``torch.ops.ringstream.rope_store`` (``csrc/rope_store.cpp``: the rotary
+embedding of queries and keys and the keys' and values' store into the pool, bit-identical to the module's ops),
+then :func:`~ringstream.daemon.engine.attention.paged_attention` and ``o_proj``: one native call where the module
+makes about twenty small tensor ops and a cache update, as vLLM's ``rotary_embedding`` and ``reshape_and_cache``
+ops serve its model definitions. Anywhere else (``generate()``'s own cache, another attention function) the
+block runs its own forward.
 """
 
 from __future__ import annotations
@@ -19,15 +28,18 @@ from __future__ import annotations
 import functools
 import inspect
 import io
+import sys
 import tokenize
 import types
 
 import torch
 from torch import nn
 
+from ringstream.daemon.engine.attention import paged_attention
+from ringstream.daemon.engine.kv_cache import PagedKVCache
 from ringstream.daemon.engine.linear import FusedLinearSlice, refuse_autograd
 
-__all__ = ["FUSED_DTYPES", "fuse_elementwise"]
+__all__ = ["FUSED_DTYPES", "fuse_attention", "fuse_elementwise"]
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 """The dtypes the native elementwise kernels compute: bfloat16 in float32, rounded where the modules' own
@@ -52,13 +64,28 @@ def _tokens(function) -> tuple[str, ...] | None:
 def _reference_tokens() -> dict[str, tuple[str, ...] | None]:
     from transformers.models.llama import modeling_llama
 
-    return {"norm": _tokens(modeling_llama.LlamaRMSNorm.forward), "mlp": _tokens(modeling_llama.LlamaMLP.forward)}
+    return {"norm": _tokens(modeling_llama.LlamaRMSNorm.forward), "mlp": _tokens(modeling_llama.LlamaMLP.forward),
+            "attention": _tokens(modeling_llama.LlamaAttention.forward),
+            "apply_rotary_pos_emb": _tokens(modeling_llama.apply_rotary_pos_emb),
+            "rotate_half": _tokens(modeling_llama.rotate_half)}
+
+
+def _same_code(function, kind: str) -> bool:
+    reference = _reference_tokens()[kind]
+    return reference is not None and function is not None and _tokens(function) == reference
 
 
 @functools.cache
 def _same_forward(cls: type, kind: str) -> bool:
-    reference = _reference_tokens()[kind]
-    return reference is not None and _tokens(cls.forward) == reference
+    return _same_code(cls.forward, kind)
+
+
+@functools.cache
+def _llama_attention(cls: type) -> bool:
+    """Whether ``cls``'s forward and the RoPE functions it calls (its module's globals) are Llama's."""
+    namespace = vars(sys.modules.get(cls.__module__, types.ModuleType("none")))
+    return (_same_forward(cls, "attention")
+            and all(_same_code(namespace.get(name), name) for name in ("apply_rotary_pos_emb", "rotate_half")))
 
 
 def _is_silu(module: nn.Module) -> bool:
@@ -100,5 +127,48 @@ def fuse_elementwise(model: nn.Module, ops) -> int:
               and module.gate_proj.out_features == module.up_proj.out_features
               and _is_silu(getattr(module, "act_fn", None)) and _same_forward(cls, "mlp")):
             module.forward = types.MethodType(functools.partial(_mlp_forward, ops), module)
+            changed += 1
+    return changed
+
+
+def _attention_forward(ops, module: nn.Module, hidden_states: torch.Tensor, position_embeddings=None,
+                       attention_mask: torch.Tensor | None = None, cache=None, **kwargs):
+    if cache is None:
+        cache = kwargs.pop("past_key_values", None)
+    paged = kwargs.get("paged")
+    if paged is None or not isinstance(cache, PagedKVCache) or position_embeddings is None:  # not an engine step
+        return type(module).forward(module, hidden_states, position_embeddings=position_embeddings,
+                                    attention_mask=attention_mask, cache=cache, **kwargs)
+    group = module.q_proj.group
+    qkv = group.kernel.apply(hidden_states, group.packed, group.bias, group.out_features)  # checks autograd
+    cos, sin = position_embeddings
+    keys, values = cache.key_cache[module.layer_idx], cache.value_cache[module.layer_idx]
+    head_dim = keys.shape[-1]
+    query = ops.rope_store(qkv, cos, sin, keys, values, cache.slot_mapping, group.splits[0] // head_dim,
+                           group.splits[1] // head_dim)  # [T, heads, head_dim]
+    out, weights = paged_attention(module, query.unsqueeze(0).transpose(1, 2), keys, values, attention_mask,
+                                   scaling=module.scaling, **kwargs)
+    return module.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), weights
+
+
+def fuse_attention(model: nn.Module, ops) -> int:
+    """Give ``model``'s Llama-exact attention blocks whose ``q_proj`` / ``k_proj`` / ``v_proj`` are one
+    :class:`~ringstream.daemon.engine.linear.FusedLinearGroup` (float32 or bfloat16, after ``pack_linears``) a
+    forward that, in an engine step, stores keys and values and applies RoPE with ``ops.rope_store`` (see the
+    module docstring); returns how many blocks were changed. Weights, names and state dicts stay as they were.
+    """
+    changed = 0
+    for module in model.modules():
+        projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")]
+        if not all(isinstance(p, FusedLinearSlice) for p in projections) or not _llama_attention(type(module)):
+            continue
+        group = projections[0].group
+        head_dim = getattr(module, "head_dim", None)
+        if (all(p.group is group for p in projections) and [p.index for p in projections] == [0, 1, 2]
+                and len(group.splits) == 3 and group.packed.dtype in FUSED_DTYPES and isinstance(head_dim, int)
+                and head_dim >= 2 and head_dim % 2 == 0 and group.splits[1] == group.splits[2]
+                and group.splits[0] % head_dim == 0 and group.splits[1] % head_dim == 0
+                and isinstance(getattr(module, "layer_idx", None), int)):
+            module.forward = types.MethodType(functools.partial(_attention_forward, ops), module)
             changed += 1
     return changed

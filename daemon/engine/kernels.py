@@ -31,7 +31,8 @@ __all__ = ["cache_dir", "native_ops"]
 log = logging.getLogger("ringstream.engine")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "paged_prefill.cpp", CSRC / "gemm.cpp", CSRC / "elementwise.cpp"]
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "paged_prefill.cpp", CSRC / "gemm.cpp", CSRC / "elementwise.cpp",
+           CSRC / "rope_store.cpp"]
 HEADERS = [CSRC / "exp_avx2.h", CSRC / "exp_poly.h", CSRC / "cpu_features.h", CSRC / "pool_checks.h", CSRC / "vec512.h"]
 OPENMP_FLAGS = ("-fopenmp",)
 
