@@ -16,10 +16,10 @@ rounding (the sum of squares is accumulated in another order).
 :func:`fuse_attention` does the same for attention blocks whose forward, ``apply_rotary_pos_emb`` and
 ``rotate_half`` are Llama's: in an engine step (the paged KV cache and the step's metadata present) the block runs
 the fused q / k / v projection, then ``torch.ops.ringstream.rope_store`` (``csrc/rope_store.cpp``: the rotary
-embedding of queries and keys and the keys' and values' store into the pool, bit-identical to the module's ops),
-then :func:`~ringstream.daemon.engine.attention.paged_attention` and ``o_proj``: one native call where the module
-makes about twenty small tensor ops and a cache update, as vLLM's ``rotary_embedding`` and ``reshape_and_cache``
-ops serve its model definitions. Anywhere else (``generate()``'s own cache, another attention function) the
+embedding of queries and keys and the keys' and values' store into the pool, bit-identical to the module's ops
+for every result that is a number), then :func:`~ringstream.daemon.engine.attention.paged_attention` and
+``o_proj``: one native call where the module makes about twenty small tensor ops and a cache update, as vLLM's
+``rotary_embedding`` and ``reshape_and_cache`` ops serve its model definitions. Anywhere else (``generate()``'s own cache, another attention function) the
 block runs its own forward.
 """
 

@@ -1,6 +1,6 @@
 """The fused attention block: ``torch.ops.ringstream.rope_store`` (RoPE of queries and keys, the keys' and values'
-store into the pool) bit for bit against transformers' ``apply_rotary_pos_emb`` and the cache's ``index_copy_``,
-its refusals, which blocks :func:`fuse_attention` takes, and the engine's tokens with it."""
+store into the pool) bit for bit against transformers' ``apply_rotary_pos_emb`` and the cache's ``index_copy_``
+(NaN for NaN), its refusals, which blocks :func:`fuse_attention` takes, and the engine's tokens with it."""
 
 from __future__ import annotations
 
@@ -103,7 +103,23 @@ def test_rope_store_refuses_bad_shapes_and_slots_and_writes_nothing(ops):
         odd = torch.zeros(1, 8, 15)
         call(qkv=torch.zeros(1, 3, 60), cos=torch.zeros(1, 3, 15), sin=torch.zeros(1, 3, 15), key_pool=odd,
              value_pool=odd.clone())
+    with pytest.raises(RuntimeError, match="overflows int64"):  # the row width wraps to 0: no division by it
+        call(qkv=torch.zeros(3, 0), heads=2 ** 63 - 2)
+    with pytest.raises(RuntimeError, match="overflows int64"):
+        call(heads=2 ** 62)  # the sum fits, its product with head_dim does not
+    with pytest.raises(RuntimeError, match="must not require grad"):
+        call(key_pool=torch.zeros(1, 8, 16, requires_grad=True))
     assert not keys.any() and not values.any()  # every refusal came before a write
+
+
+def test_rope_store_refuses_a_pool_that_overlaps_its_inputs(ops):
+    storage = torch.zeros(1000)
+    qkv = storage[:3 * 64].view(1, 3, 64)  # heads 2, kv_heads 1, head_dim 16
+    keys = storage[100:100 + 8 * 16].view(1, 8, 16)  # a later row of qkv: writing row 0's key would change it
+    cos, sin = torch.ones(1, 3, 16), torch.zeros(1, 3, 16)
+    with pytest.raises(RuntimeError, match="refer to a single memory location"):
+        ops.rope_store(qkv, cos, sin, keys, torch.zeros(1, 8, 16), torch.tensor([0, 1, 2]), 2, 1)
+    assert not storage.any()
 
 
 def _tiny(config_class, model_class, **extra):

@@ -12,17 +12,22 @@
 // The rotation is Llama's apply_rotary_pos_emb (rotary position embedding: Su et al., "RoFormer: Enhanced
 // Transformer with Rotary Position Embedding", 2021; transformers' models/llama/modeling_llama.py):
 // x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[D/2:], x[:D/2]). Each product and the sum round as
-// transformers' tensor ops round them, so the results are bit-identical to the module's: float32 with no fused
-// multiply-add (contraction is off below), bfloat16 with each product rounded to bfloat16 (the product of two
-// bfloat16 values is exact in float32) and then the sum. It replaces a layer's ~20 small tensor ops (slices, cat,
-// neg, four muls, two adds, two index_copy_) by one call; every slot is checked before anything is written.
+// transformers' tensor ops round them, so every result that is a number is bit-identical to the module's: float32
+// with no fused multiply-add (contraction is off below), bfloat16 with each product rounded to bfloat16 (the
+// product of two bfloat16 values is exact in float32) and then the sum. A NaN stays a NaN, its sign and payload
+// those of c10's scalar conversion (PyTorch's own vector and scalar paths differ there too). It replaces a layer's
+// ~20 small tensor ops (slices, cat, neg, four muls, two adds, two index_copy_) by one call. Every argument is
+// checked before anything is written: shapes (their products without overflow), slots, and pools that overlap
+// the inputs or require grad (the engine's pools are inference tensors, written in place without autograd).
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <cstdint>
 #include <cstring>
 
 // Bit-identical products and sums: no a * b + c contracted into one rounding (GCC contracts by default, even in
@@ -91,9 +96,14 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
               value_pool.sizes() == key_pool.sizes() && key_pool.size(0) == kv_heads,
               "rope_store: the pools must be contiguous [kv_heads=", kv_heads, ", slots, head_dim] alike, got ",
               key_pool.sizes(), " and ", value_pool.sizes());
+  TORCH_CHECK(!key_pool.requires_grad() && !value_pool.requires_grad(),
+              "rope_store: the pools are written in place without autograd; they must not require grad");
   const int64_t D = key_pool.size(2), num_slots = key_pool.size(1);
   TORCH_CHECK(D >= 2 && D % 2 == 0, "rope_store: head_dim must be even, got ", D);
-  const int64_t width = (heads + 2 * kv_heads) * D;
+  int64_t width = 0;
+  TORCH_CHECK(kv_heads <= INT64_MAX / 2 && !__builtin_add_overflow(heads, 2 * kv_heads, &width) &&
+              !__builtin_mul_overflow(width, D, &width), "rope_store: (heads + 2 kv_heads) * head_dim overflows "
+              "int64 (heads ", heads, ", kv_heads ", kv_heads, ", head_dim ", D, ")");
   TORCH_CHECK(qkv.dim() >= 1 && qkv.size(-1) == width, "rope_store: qkv's last dimension must be (heads + 2 "
               "kv_heads) * head_dim = ", width, ", got ", qkv.sizes());
   const int64_t T_rows = qkv.numel() / width;
@@ -108,6 +118,12 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "rope_store: slot ", sp[t], " of row ", t, " is outside the pool's ",
                 num_slots, " slots");
   const at::Tensor x = qkv.contiguous(), c = cos.contiguous(), s = sin.contiguous();
+  for (const at::Tensor* pool : {&key_pool, &value_pool}) {  // a write must not change what a later row reads
+    at::assert_no_overlap(*pool, x);
+    at::assert_no_overlap(*pool, c);
+    at::assert_no_overlap(*pool, s);
+    at::assert_no_overlap(*pool, slots);
+  }
   at::Tensor query = at::empty({T_rows, heads, D}, qkv.options());
   if (dtype == at::kBFloat16) {
     rope_store_rows(x.data_ptr<bf16>(), c.data_ptr<bf16>(), s.data_ptr<bf16>(), key_pool.data_ptr<bf16>(),
