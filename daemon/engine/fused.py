@@ -19,8 +19,8 @@ the fused q / k / v projection, then ``torch.ops.ringstream.rope_store`` (``csrc
 embedding of queries and keys and the keys' and values' store into the pool, bit-identical to the module's ops
 for every result that is a number), then :func:`~ringstream.daemon.engine.attention.paged_attention` and
 ``o_proj``: one native call where the module makes about twenty small tensor ops and a cache update, as vLLM's
-``rotary_embedding`` and ``reshape_and_cache`` ops serve its model definitions. Anywhere else (``generate()``'s own cache, another attention function) the
-block runs its own forward.
+``rotary_embedding`` and ``reshape_and_cache`` ops serve its model definitions. Anywhere else (``generate()``'s
+own cache, a forward without the step's metadata) the block runs its own forward.
 """
 
 from __future__ import annotations
@@ -106,10 +106,10 @@ def _mlp_forward(ops, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def fuse_elementwise(model: nn.Module, ops) -> int:
-    """Give ``model``'s Llama-exact RMSNorm modules (float32 or bfloat16 weight) and gated SiLU MLPs (whose ``gate_proj`` and
-    ``up_proj`` are one :class:`~ringstream.daemon.engine.linear.FusedLinearGroup`, in that order, after
-    ``pack_linears``) forwards over ``ops`` (``torch.ops.ringstream`` with the native kernels); returns how many
-    modules were changed. Nothing else changes: weights, names and state dicts stay as they were.
+    """Give ``model``'s Llama-exact RMSNorm modules (float32 or bfloat16 weight) and gated SiLU MLPs (whose
+    ``gate_proj`` and ``up_proj`` are one :class:`~ringstream.daemon.engine.linear.FusedLinearGroup`, in that
+    order, after ``pack_linears``) forwards over ``ops`` (``torch.ops.ringstream`` with the native kernels); returns
+    how many modules were changed. Nothing else changes: weights, names and state dicts stay as they were.
     """
     changed = 0
     for module in model.modules():

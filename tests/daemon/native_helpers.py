@@ -1,5 +1,5 @@
-"""Shared by the native-kernel test modules: whether the kernels can be built here, a tiny model and tokenizer, and
-the greedy tokens an engine with or without the native kernels gives."""
+"""Shared by the native-kernel test modules: whether the kernels can be built here, a tiny model and tokenizer, a
+tiny in-memory model of any family, and the greedy tokens an engine with or without the native kernels gives."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import random
 import shutil
 
 import pytest
+import torch
 
 from ringstream.daemon.engine import kernels
 from ringstream.daemon.engine.engine import Engine, EngineConfig, EngineRequest, SamplingParams
@@ -24,6 +25,15 @@ def native_ops_or_skip():
             pytest.fail("a C++ compiler and ninja are here, yet the native kernels did not build")
         pytest.skip("no C++ compiler or ninja: the native kernels cannot be built here")
     return ops
+
+
+def tiny_family_model(config_class, model_class, **extra):
+    """A 2-layer random-weight model of ``model_class`` (hidden 64, 4 query / 2 KV heads of 16, vocab 300), in
+    eval mode, the same weights at every call."""
+    torch.manual_seed(4)
+    config = config_class(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, vocab_size=300, **extra)
+    return model_class(config).eval()
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ringstream.daemon.engine.fused import fuse_attention, fuse_elementwise
 from ringstream.daemon.engine.linear import pack_linears
-from tests.daemon.native_helpers import greedy_outputs, native_ops_or_skip, tiny  # noqa: F401 (fixture)
+from tests.daemon.native_helpers import (greedy_outputs, native_ops_or_skip, tiny,  # noqa: F401 (fixture)
+                                         tiny_family_model)
 from tests.factories import load_model
 
 
@@ -122,21 +123,14 @@ def test_rope_store_refuses_a_pool_that_overlaps_its_inputs(ops):
     assert not storage.any()
 
 
-def _tiny(config_class, model_class, **extra):
-    torch.manual_seed(4)
-    config = config_class(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, head_dim=16, vocab_size=300, **extra)
-    return model_class(config).eval()
-
-
 def test_fuse_attention_takes_llamas_blocks_only_and_leaves_plain_forwards_alone(ops):
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config, \
         Qwen3ForCausalLM
     ids = torch.randint(0, 300, (2, 11))
     counts = {}
-    for name, model in (("llama", _tiny(LlamaConfig, LlamaForCausalLM)),
-                        ("qwen3", _tiny(Qwen3Config, Qwen3ForCausalLM)),
-                        ("mistral", _tiny(MistralConfig, MistralForCausalLM))):
+    for name, model in (("llama", tiny_family_model(LlamaConfig, LlamaForCausalLM)),
+                        ("qwen3", tiny_family_model(Qwen3Config, Qwen3ForCausalLM)),
+                        ("mistral", tiny_family_model(MistralConfig, MistralForCausalLM))):
         with torch.no_grad():
             want = model(ids).logits
         pack_linears(model, ops)
@@ -150,7 +144,8 @@ def test_fuse_attention_takes_llamas_blocks_only_and_leaves_plain_forwards_alone
 
 def test_unpacked_projections_are_not_fused(ops):
     from transformers import LlamaConfig, LlamaForCausalLM
-    assert fuse_attention(_tiny(LlamaConfig, LlamaForCausalLM), ops) == 0  # q / k / v are not one packed group
+    model = tiny_family_model(LlamaConfig, LlamaForCausalLM)
+    assert fuse_attention(model, ops) == 0  # q / k / v are not one packed group
 
 
 def test_engine_steps_take_the_fused_block_and_keep_their_tokens(ops, tiny, monkeypatch):  # noqa: F811

@@ -15,7 +15,8 @@ from torch import nn
 
 from ringstream.daemon.engine import kernels
 from ringstream.daemon.engine.linear import FusedLinearSlice, LinearKernel, PackedLinear, pack_linears
-from tests.daemon.native_helpers import greedy_outputs, native_ops_or_skip, tiny  # noqa: F401 (fixture)
+from tests.daemon.native_helpers import (greedy_outputs, native_ops_or_skip, tiny,  # noqa: F401 (fixture)
+                                         tiny_family_model)
 from tests.factories import load_model
 
 
@@ -419,19 +420,12 @@ def test_bfloat16_silu_and_mul_rounds_where_the_modules_do(ops, width):
     assert int(ulps.max()) <= 1 and float((ulps > 0).float().mean()) <= 0.01
 
 
-def _model(config_class, model_class, **extra):
-    torch.manual_seed(4)
-    config = config_class(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, head_dim=16, vocab_size=300, **extra)
-    return model_class(config).eval()
-
-
 def test_a_bfloat16_llama_fuses_its_norms_and_mlps_and_keeps_its_logits(ops):
     if not bf16_layouts(ops):
         pytest.skip("bfloat16 weights need AVX-512 (without it the MLPs' projections stay unfused)")
     from transformers import LlamaConfig, LlamaForCausalLM
     from ringstream.daemon.engine.fused import fuse_elementwise
-    model = _model(LlamaConfig, LlamaForCausalLM).bfloat16()
+    model = tiny_family_model(LlamaConfig, LlamaForCausalLM).bfloat16()
     ids = torch.randint(0, 300, (2, 11))
     with torch.no_grad():
         want = model(ids).logits
@@ -449,9 +443,9 @@ def test_fuse_elementwise_takes_llamas_formula_only_and_keeps_the_logits(ops):
     from ringstream.daemon.engine.fused import fuse_elementwise
     ids = torch.randint(0, 300, (2, 11))
     counts = {}
-    for name, model in (("llama", _model(LlamaConfig, LlamaForCausalLM)),
-                        ("qwen3", _model(Qwen3Config, Qwen3ForCausalLM)),
-                        ("gemma3", _model(Gemma3TextConfig, Gemma3ForCausalLM))):
+    for name, model in (("llama", tiny_family_model(LlamaConfig, LlamaForCausalLM)),
+                        ("qwen3", tiny_family_model(Qwen3Config, Qwen3ForCausalLM)),
+                        ("gemma3", tiny_family_model(Gemma3TextConfig, Gemma3ForCausalLM))):
         with torch.no_grad():
             want = model(ids).logits
         pack_linears(model, ops)
@@ -514,7 +508,7 @@ def test_silu_and_mul_below_exps_range_is_zero(ops):
 def test_native_paths_refuse_autograd_instead_of_dropping_gradients(ops):
     from ringstream.daemon.engine.fused import fuse_elementwise
     from transformers import LlamaConfig, LlamaForCausalLM
-    model = _model(LlamaConfig, LlamaForCausalLM)
+    model = tiny_family_model(LlamaConfig, LlamaForCausalLM)
     pack_linears(model, ops)
     fuse_elementwise(model, ops)
     ids = torch.randint(0, 300, (1, 5))
