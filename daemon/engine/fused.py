@@ -39,7 +39,7 @@ from ringstream.daemon.engine.attention import paged_attention
 from ringstream.daemon.engine.kv_cache import PagedKVCache
 from ringstream.daemon.engine.linear import FusedLinearSlice, refuse_autograd
 
-__all__ = ["FUSED_DTYPES", "fuse_attention", "fuse_elementwise"]
+__all__ = ["FUSED_DTYPES", "attention_step", "fuse_attention", "fuse_elementwise", "fused_kind"]
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 """The dtypes the native elementwise kernels compute: bfloat16 in float32, rounded where the modules' own
@@ -139,16 +139,24 @@ def _attention_forward(ops, module: nn.Module, hidden_states: torch.Tensor, posi
     if paged is None or not isinstance(cache, PagedKVCache) or position_embeddings is None:  # not an engine step
         return type(module).forward(module, hidden_states, position_embeddings=position_embeddings,
                                     attention_mask=attention_mask, cache=cache, **kwargs)
+    cos, sin = position_embeddings
+    return attention_step(ops, module, hidden_states, cos, sin, cache, attention_mask, **kwargs), None
+
+
+def attention_step(ops, module: nn.Module, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cache: PagedKVCache, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    """A fused attention block's output in an engine step (``kwargs`` holds ``paged=``, the step's metadata):
+    ``hidden_states [..., T, hidden]``, ``cos`` / ``sin`` the rotary embedding of the rows' positions
+    (``[..., T, head_dim]``) -> ``[..., T, hidden]``."""
     group = module.q_proj.group
     qkv = group.kernel.apply(hidden_states, group.packed, group.bias, group.out_features)  # checks autograd
-    cos, sin = position_embeddings
     keys, values = cache.key_cache[module.layer_idx], cache.value_cache[module.layer_idx]
     head_dim = keys.shape[-1]
     query = ops.rope_store(qkv, cos, sin, keys, values, cache.slot_mapping, group.splits[0] // head_dim,
                            group.splits[1] // head_dim)  # [T, heads, head_dim]
-    out, weights = paged_attention(module, query.unsqueeze(0).transpose(1, 2), keys, values, attention_mask,
-                                   scaling=module.scaling, **kwargs)
-    return module.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), weights
+    out, _ = paged_attention(module, query.unsqueeze(0).transpose(1, 2), keys, values, attention_mask,
+                             scaling=module.scaling, **kwargs)
+    return module.o_proj(out.reshape(*hidden_states.shape[:-1], -1))
 
 
 def fuse_attention(model: nn.Module, ops) -> int:
@@ -172,3 +180,10 @@ def fuse_attention(model: nn.Module, ops) -> int:
             module.forward = types.MethodType(functools.partial(_attention_forward, ops), module)
             changed += 1
     return changed
+
+
+def fused_kind(module: nn.Module) -> str | None:
+    """Which fused forward :func:`fuse_elementwise` or :func:`fuse_attention` gave ``module``: ``"norm"``,
+    ``"mlp"``, ``"attention"``, or None (its own)."""
+    func = getattr(getattr(module.__dict__.get("forward"), "__func__", None), "func", None)
+    return {_norm_forward: "norm", _mlp_forward: "mlp", _attention_forward: "attention"}.get(func)

@@ -34,6 +34,7 @@ import torch
 from ringstream.daemon.engine.attention import STEP
 from ringstream.daemon.engine.block_manager import BlockManager
 from ringstream.daemon.engine.device_io import to_device, to_host
+from ringstream.daemon.engine.fused_model import fuse_model
 from ringstream.daemon.engine.scheduler import SequenceState
 from ringstream.daemon.engine.kv_cache import PagedKVCache, build_metadata
 from ringstream.daemon.engine.structured import apply_bitmask, token_bitmask
@@ -129,6 +130,9 @@ class ModelRunner:
         self.generator.manual_seed(seed)
         self.captured: list[torch.Tensor] | None = None
         self.seen_windows: set = set()
+        self.fused = fuse_model(model, native) if native is not None else None
+        """The model's step as one loop over its fused layers (:mod:`ringstream.daemon.engine.fused_model`),
+        where that is exact; None: the model's own forward."""
 
     def execute(self, items: list[tuple[SequenceState, int]]) -> list[int | None]:
         """One forward over the packed new tokens of ``items`` (sequence, number of new tokens from its
@@ -214,6 +218,10 @@ class ModelRunner:
         self.cache.slot_mapping = meta.slot_mapping
         STEP.metadata = meta
         try:
+            if self.fused is not None and self.fused.usable():
+                return self.fused(to_device(inputs.input_ids, torch.long, device),
+                                  to_device(inputs.positions, torch.long, device),
+                                  to_device(inputs.rows, torch.long, device), meta, self.cache)
             out = self.model(
                 input_ids=to_device([inputs.input_ids], torch.long, device),
                 position_ids=to_device([inputs.positions], torch.long, device),
