@@ -39,7 +39,8 @@ from ringstream.daemon.engine.scheduler import SequenceState
 from ringstream.daemon.engine.kv_cache import PagedKVCache, build_metadata
 from ringstream.daemon.engine.structured import apply_bitmask, token_bitmask
 from ringstream.daemon.engine.sampler import (
-    SamplingTensors, apply_penalties, build_logprobs, logprob_tensors, mask_tokens, sample, token_seed,
+    SamplingTensors, apply_penalties, build_logprobs, greedy_tokens, logprob_tensors, mask_tokens, sample,
+    token_seed,
 )
 
 __all__ = ["ModelRunner", "StepInputs", "StepResult"]
@@ -252,7 +253,7 @@ class ModelRunner:
         elif any(not seq.greedy for seq in sampled):
             result.tokens = sample(logits, self._sampling_tensors(sampled))
         else:
-            result.tokens = logits.argmax(dim=-1)
+            result.tokens = greedy_tokens(logits)
         return result
 
     def _fetch(self, inputs: StepInputs, result: StepResult) -> list[int]:
@@ -313,7 +314,7 @@ class ModelRunner:
             mask = token_bitmask([batch[i].matcher for i in constrained], work.shape[-1])
             apply_bitmask(work, to_device(constrained, torch.long, device), mask)
         if all(seq.greedy for seq in batch):
-            tokens = work.argmax(dim=-1)
+            tokens = greedy_tokens(work)
         else:
             tensors = self._sampling_tensors(batch)
             if any(p.min_p > 0.0 for p in params):

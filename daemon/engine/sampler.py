@@ -58,7 +58,7 @@ from ringstream.daemon.engine.device_io import to_device
 from ringstream.ipc.wire import TokenLogprob
 
 __all__ = ["TOP_P_CANDIDATES", "SamplingTensors", "apply_penalties", "build_logprobs", "gather_logprobs",
-           "logprob_tensors", "mask_tokens", "sample", "token_seed", "top_k_top_p_threshold"]
+           "greedy_tokens", "logprob_tensors", "mask_tokens", "sample", "token_seed", "top_k_top_p_threshold"]
 
 _MASK_64 = (1 << 64) - 1
 # SplitMix64 constants (Steele, Lea and Flood, "Fast Splittable Pseudorandom
@@ -201,6 +201,18 @@ def top_k_top_p_threshold(
     return threshold
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` (``[..., vocab]`` -> ``[...]`` int64, the lowest index on ties, NaN above all).
+
+    bfloat16 and float16 logits on CPU are widened to float32 first: every value widens exactly, so the order,
+    the ties and the NaNs are the same, and PyTorch's CPU argmax over the reduced type is the slow part (16 x
+    4,096 bfloat16: ~290 us against ~56 us widened, 2 threads on this project's reference host).
+    """
+    if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return logits.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     """Pick one token per row.
 
@@ -217,7 +229,7 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     apply min-p, then top-k / top-p, softmax, and draw with the exponential race.
     """
     if params.all_greedy:
-        return logits.argmax(dim=-1)
+        return greedy_tokens(logits)
     scaled = logits.float() / params.temperature.unsqueeze(1)
     if params.min_p is not None:
         probs = scaled.softmax(dim=-1)
@@ -240,7 +252,7 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     noise.neg_().log1p_().neg_().clamp_min_(_MIN_EXPONENTIAL)
     sampled = probs.div_(noise).argmax(dim=-1)
     if params.any_greedy:
-        sampled = torch.where(params.greedy, logits.argmax(dim=-1), sampled)
+        sampled = torch.where(params.greedy, greedy_tokens(logits), sampled)
     return sampled
 
 

@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringstream.daemon.engine.sampler import SamplingTensors, sample, token_seed, top_k_top_p_threshold
+from ringstream.daemon.engine.sampler import (SamplingTensors, greedy_tokens, sample, token_seed,
+                                               top_k_top_p_threshold)
 
 VOCAB = 32
 
@@ -49,6 +50,21 @@ def seeded(seed: int) -> torch.Generator:
 def test_all_greedy_is_argmax():
     logits = torch.randn(5, VOCAB, generator=seeded(0))
     assert torch.equal(sample(logits, make_params(5, greedy=[True] * 5)), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_greedy_tokens_of_reduced_logits_equal_their_own_argmax(dtype):
+    torch.manual_seed(0)
+    logits = (torch.randn(64, 4096) * 4).to(dtype)
+    logits[0, 7] = logits[0, 3] = logits[0].max() + 1  # a tie: the lowest index
+    logits[1, 9] = float("nan")  # NaN above all
+    logits[2] = float("-inf")  # every value equal
+    logits[3, 100] = float("inf")
+    want = logits.argmax(dim=-1)
+    assert want[:4].tolist() == [3, 9, 0, 100]
+    got = greedy_tokens(logits)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert torch.equal(sample(logits, make_params(64, greedy=[True] * 64)), want)
 
 
 def test_mixed_batch_keeps_greedy_rows_greedy():
