@@ -28,11 +28,14 @@ from __future__ import annotations
 import functools
 import inspect
 import io
+import os
 import sys
+import textwrap
 import tokenize
 import types
 
 import torch
+import transformers
 from torch import nn
 
 from ringstream.daemon.engine.attention import paged_attention
@@ -47,17 +50,39 @@ bfloat16 code rounds (``csrc/elementwise.cpp``)."""
 
 
 def _tokens(function) -> tuple[str, ...] | None:
-    """The source tokens of ``function``, comments and layout dropped; None where the source cannot be read."""
+    """The source tokens of ``function`` with its block structure (statement ends, indents and dedents as
+    markers, whatever their width), comments and line breaks inside brackets dropped; None where the source
+    cannot be read or ``function`` is wrapped by code outside transformers (``inspect.getsource`` would read the
+    wrapped function and hide the wrapper)."""
+    return _source_tokens(function) if _transformers_own(function) else None
+
+
+def _source_tokens(function) -> tuple[str, ...] | None:
     try:
         source = inspect.getsource(function)
     except (OSError, TypeError):
         return None
-    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING}
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.ENCODING}
+    markers = {tokenize.NEWLINE: "<newline>", tokenize.INDENT: "<indent>", tokenize.DEDENT: "<dedent>"}
     try:
-        return tuple(tok.string for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        return tuple(markers.get(tok.type, tok.string)
+                     for tok in tokenize.generate_tokens(io.StringIO(textwrap.dedent(source)).readline)
                      if tok.type not in skip)
-    except (tokenize.TokenError, IndentationError):
+    except (tokenize.TokenError, IndentationError, SyntaxError):
         return None
+
+
+def _transformers_own(function) -> bool:
+    """Whether ``function`` and every function it wraps (``__wrapped__``, as ``functools.wraps`` sets) are defined in
+    transformers' package: its own decorators only."""
+    package = os.path.dirname(inspect.getfile(transformers)) + os.sep
+    seen = 0
+    while function is not None and seen < 16:
+        code = getattr(function, "__code__", None)
+        if code is None or not os.path.abspath(code.co_filename).startswith(package):
+            return False
+        function, seen = getattr(function, "__wrapped__", None), seen + 1
+    return function is None
 
 
 @functools.cache

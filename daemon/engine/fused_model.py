@@ -11,40 +11,39 @@ model's forward in the same step (the engine's start check compares them with th
 cache, :func:`ringstream.daemon.engine.checks.check_against_model`). vLLM's model definitions are such loops
 (``LlamaModel.forward`` in ``vllm/model_executor/models/llama.py``).
 
-:func:`fuse_model` installs it only where the code it stands in for is Llama's, token for token (the causal LM's,
-the model's and every decoder layer's ``forward``; the rule :func:`~ringstream.daemon.engine.fused.fuse_elementwise`
-follows), every norm, attention block and MLP got its fused forward, and no module has hooks. Any other model is
-run by its own forward, as before.
+:func:`fuse_model` installs it only where the forwards it stands for are transformers' Llama code itself
+(``LlamaForCausalLM``, ``LlamaModel`` and ``LlamaDecoderLayer``, or subclasses that keep their forwards: no copy,
+override, wrapper or patch), every norm, attention block and MLP got its fused forward
+(:func:`~ringstream.daemon.engine.fused.fuse_elementwise`, :func:`~ringstream.daemon.engine.fused.fuse_attention`)
+and no module has hooks; the engine checks before each step that no hook or forward was added since
+(:meth:`FusedCausalLM.usable`). Any other model is run by its own forward, as before.
 """
 
 from __future__ import annotations
 
-import functools
+import inspect
+import os
 
 import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
 from ringstream.daemon.engine.attention import AttentionMetadata
-from ringstream.daemon.engine.fused import _mlp_forward, _tokens, attention_step, fused_kind
+from ringstream.daemon.engine.fused import _mlp_forward, _transformers_own, attention_step, fused_kind
 from ringstream.daemon.engine.kv_cache import PagedKVCache
 
 __all__ = ["FusedCausalLM", "fuse_model"]
 
 
-@functools.cache
-def _reference_tokens() -> dict[str, tuple[str, ...] | None]:
+def _llamas_own(function, qualname: str) -> bool:
+    """Whether ``function`` is ``qualname`` (``"LlamaModel.forward"``...) of transformers' ``modeling_llama`` under
+    transformers' own decorators only: not a copy, a subclass's override, a wrapper or a patch of it."""
     from transformers.models.llama import modeling_llama
 
-    return {"causal_lm": _tokens(modeling_llama.LlamaForCausalLM.forward),
-            "model": _tokens(modeling_llama.LlamaModel.forward),
-            "layer": _tokens(modeling_llama.LlamaDecoderLayer.forward)}
-
-
-@functools.cache
-def _llama_forward(cls: type, kind: str) -> bool:
-    reference = _reference_tokens()[kind]
-    return reference is not None and _tokens(cls.forward) == reference
+    inner = inspect.unwrap(function) if _transformers_own(function) else None
+    code = getattr(inner, "__code__", None)
+    return (code is not None and getattr(inner, "__qualname__", None) == qualname
+            and os.path.abspath(code.co_filename) == os.path.abspath(inspect.getfile(modeling_llama)))
 
 
 class FusedCausalLM:
@@ -68,15 +67,24 @@ class FusedCausalLM:
                          layer.mlp) for layer in layers]
         self._hookable = [model, inner, self._embed, self._rotary, self._lm_head, inner.norm]
         self._hookable += [m for layer in layers for m in layer.modules()]
-        self._own_forwards = [model, inner, *layers]
+        fused_parts = [inner.norm] + [getattr(layer, name) for layer in layers
+                                      for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")]
+        # the forwards the loop stands for, as they are now: on the instances (None: the class's; the fused
+        # modules' own) and on the classes
+        self._instance_forwards = [(m, m.__dict__.get("forward")) for m in [model, inner, *layers, *fused_parts]]
+        self._class_forwards = [(cls, cls.forward) for cls in {type(m) for m in [model, inner, *layers]}]
 
     def usable(self) -> bool:
         """Whether the loop still stands for the model's forward: no module has a forward hook (nor the global
-        registry), no forward of the model, its body or a layer was replaced on the instance, since
-        :func:`fuse_model`. Checked by the engine before each step (~10 us), which otherwise runs the model's
-        forward, so that a hook added to a running engine's model runs as it would in the model's own code."""
+        registry) and no forward it stands for was replaced (on an instance or a class) since :func:`fuse_model`.
+        Checked by the engine before each step (~15 us at 12 layers), which otherwise runs the model's forward: a
+        hook added to a running engine's model runs as it would in the model's own code.
+
+        The modules and weights themselves are the engine's from its start, as its packed linears are: a module
+        or a weight swapped into a running engine's model is not seen, with this loop or without it."""
         return (not any(m._forward_hooks or m._forward_pre_hooks for m in self._hookable)
-                and not any("forward" in m.__dict__ for m in self._own_forwards) and not _hooked_globally())
+                and all(m.__dict__.get("forward") is forward for m, forward in self._instance_forwards)
+                and all(cls.forward is forward for cls, forward in self._class_forwards) and not _hooked_globally())
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor,
                  paged: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
@@ -94,14 +102,15 @@ class FusedCausalLM:
 
 
 def fuse_model(model: nn.Module, ops) -> FusedCausalLM | None:
-    """A :class:`FusedCausalLM` over ``model`` where it computes the model's own step exactly (its causal LM,
-    model and decoder-layer forwards Llama's, token for token; every layer's norms, attention and MLP fused by
+    """A :class:`FusedCausalLM` over ``model`` where it computes the model's own step exactly (the causal LM's,
+    model's and decoder layers' forwards transformers' Llama code; every layer's norms, attention and MLP fused by
     :func:`~ringstream.daemon.engine.fused.fuse_elementwise` and
     :func:`~ringstream.daemon.engine.fused.fuse_attention`, in the model's dtype; no hooks); else None."""
     inner = getattr(model, "model", None)
     config = getattr(model, "config", None)
     if (inner is None or config is None or not isinstance(getattr(config, "num_hidden_layers", None), int)
-            or not _llama_forward(type(model), "causal_lm") or not _llama_forward(type(inner), "model")
+            or not _llamas_own(type(model).forward, "LlamaForCausalLM.forward")
+            or not _llamas_own(type(inner).forward, "LlamaModel.forward")
             or not isinstance(getattr(model, "lm_head", None), nn.Module)):
         return None
     embed = getattr(inner, "embed_tokens", None)
@@ -115,7 +124,7 @@ def fuse_model(model: nn.Module, ops) -> FusedCausalLM | None:
     for layer in layers:
         parts = [getattr(layer, name, None) for name in ("input_layernorm", "self_attn", "post_attention_layernorm",
                                                           "mlp")]
-        if (not _llama_forward(type(layer), "layer") or any(p is None for p in parts)
+        if (not _llamas_own(type(layer).forward, "LlamaDecoderLayer.forward") or any(p is None for p in parts)
                 or [fused_kind(p) for p in parts] != ["norm", "attention", "norm", "mlp"]
                 or parts[0].weight.dtype != dtype or parts[2].weight.dtype != dtype):
             return None

@@ -27,6 +27,7 @@ the logprobs asked for) come back in one transfer at its end.
 from __future__ import annotations
 
 import inspect
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +45,8 @@ from ringstream.daemon.engine.sampler import (
 )
 
 __all__ = ["ModelRunner", "StepInputs", "StepResult"]
+
+log = logging.getLogger("ringstream.engine")
 
 
 @dataclass(slots=True, eq=False)
@@ -134,6 +137,7 @@ class ModelRunner:
         self.fused = fuse_model(model, native) if native is not None else None
         """The model's step as one loop over its fused layers (:mod:`ringstream.daemon.engine.fused_model`),
         where that is exact; None: the model's own forward."""
+        self._fused_usable = True  # as last seen: a change is logged
 
     def execute(self, items: list[tuple[SequenceState, int]]) -> list[int | None]:
         """One forward over the packed new tokens of ``items`` (sequence, number of new tokens from its
@@ -219,7 +223,7 @@ class ModelRunner:
         self.cache.slot_mapping = meta.slot_mapping
         STEP.metadata = meta
         try:
-            if self.fused is not None and self.fused.usable():
+            if self.fused is not None and self._take_fused():
                 return self.fused(to_device(inputs.input_ids, torch.long, device),
                                   to_device(inputs.positions, torch.long, device),
                                   to_device(inputs.rows, torch.long, device), meta, self.cache)
@@ -234,6 +238,14 @@ class ModelRunner:
         finally:
             STEP.metadata = None
         return out.logits[0]
+
+    def _take_fused(self) -> bool:
+        usable = self.fused.usable()
+        if usable != self._fused_usable:
+            self._fused_usable = usable
+            log.info("steps run %s", "the model's layers as one loop again" if usable else
+                     "the model's own forward: a hook or a replaced forward is on the model")
+        return usable
 
     def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> StepResult:
         """The device half of the step's results from the kept rows' ``logits`` (``[len(rows), vocab]``): the

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from ringstream.daemon.engine.fused import fuse_attention, fuse_elementwise
+from ringstream.daemon.engine.fused import _source_tokens, _transformers_own, fuse_attention, fuse_elementwise
 from ringstream.daemon.engine.fused_model import FusedCausalLM, fuse_model
 from ringstream.daemon.engine.linear import pack_linears
 from tests.daemon.native_helpers import (greedy_outputs, native_ops_or_skip, tiny,  # noqa: F401 (fixture)
@@ -57,17 +57,77 @@ def test_a_hook_anywhere_keeps_the_models_forward(ops):
     assert fuse_model(model, ops) is not None
 
 
-def test_a_model_with_layers_past_num_hidden_layers_or_another_layer_class_is_refused(ops):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+def test_forwards_that_are_not_transformers_llama_code_itself_are_refused(ops, monkeypatch):
+    import functools
 
-    class OtherLayer(LlamaDecoderLayer):
-        def forward(self, hidden_states, *args, **kwargs):  # not Llama's code
-            return super().forward(hidden_states * 1.0, *args, **kwargs)
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaModel
+
+    class SameCode(LlamaModel):  # an override, whatever its code
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    class Wrapped(LlamaForCausalLM):  # functools.wraps hides the wrapper from inspect.getsource
+        @functools.wraps(LlamaForCausalLM.forward)
+        def forward(self, *args, **kwargs):
+            return LlamaForCausalLM.forward(self, *args, **kwargs)
+
+    class Subclass(LlamaDecoderLayer):  # keeps Llama's forward: taken
+        pass
 
     model = fused(tiny_family_model(LlamaConfig, LlamaForCausalLM), ops)
-    model.model.layers[0].__class__ = OtherLayer
-    assert fuse_model(model, ops) is None
+    for layer in model.model.layers:
+        layer.__class__ = Subclass
+    assert fuse_model(model, ops) is not None
+    for layer in model.model.layers:
+        layer.__class__ = LlamaDecoderLayer
+    for target, cls in ((model.model, SameCode), (model, Wrapped)):
+        original = target.__class__
+        target.__class__ = cls
+        assert fuse_model(model, ops) is None, cls
+        target.__class__ = original
+    loop = fuse_model(model, ops)
+    assert loop.usable()
+    # a patch of Llama's class, before an engine starts or while it runs
+    own = LlamaDecoderLayer.forward
+    monkeypatch.setattr(LlamaDecoderLayer, "forward", functools.wraps(own)(lambda self, *a, **k: own(self, *a, **k)))
+    assert fuse_model(model, ops) is None and not loop.usable()
+    monkeypatch.undo()
+    assert loop.usable()
+    # a forward set on a fused module's instance (accelerate's hooks do this)
+    mlp = model.model.layers[0].mlp
+    fused_forward = mlp.forward
+    mlp.forward = lambda x: fused_forward(x)
+    assert not loop.usable()
+    mlp.forward = fused_forward
+    assert loop.usable()
+
+
+def test_the_code_check_sees_block_structure_and_wrappers():
+    import functools
+
+    from transformers.models.llama.modeling_llama import LlamaModel
+
+    def flat(x, layers):
+        for layer in layers:
+            x = layer(x)
+        x = x + 1
+        return x
+
+    def nested(x, layers):
+        for layer in layers:
+            x = layer(x)
+            x = x + 1
+        return x
+
+    @functools.wraps(flat)
+    def wrapper(*args):
+        return flat(*args) * 2
+
+    # the same tokens, not the same code
+    assert _source_tokens(flat) is not None and _source_tokens(flat) != _source_tokens(nested)
+    assert _source_tokens(wrapper) == _source_tokens(flat)  # inspect reads the wrapped function...
+    assert _transformers_own(LlamaModel.forward) and not _transformers_own(wrapper)  # ...so wrappers are refused
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
