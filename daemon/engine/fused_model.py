@@ -1,14 +1,14 @@
 """One loop over a Llama-exact model's layers for an engine step (CPU, native kernels).
 
-A step through a transformers model's own forward spends about 1 ms on the host in Python alone (12 layers, on
-this project's 2-core reference host): the decorated ``forward`` of the causal LM, the model and each decoder
-layer, ~90 module ``__call__`` s, keyword plumbing and output dataclasses, the causal mask that the paged attention
-ignores. :class:`FusedCausalLM` computes the same step as one loop over the layers' fused calls
+A step through a transformers model's own forward spends about 1 ms on the host in Python alone (12 layers, on this
+project's 2-core reference host): the decorated ``forward`` of the causal LM, the model and each decoder layer, ~90
+module ``__call__`` s (the loop keeps ~30), keyword plumbing and output dataclasses, the causal mask that the paged
+attention ignores. :class:`FusedCausalLM` computes the same step as one loop over the layers' fused calls
 (:mod:`ringstream.daemon.engine.fused`): RMSNorm, the q / k / v GEMM with ``rope_store`` and the paged attention,
 ``o_proj``, the residual adds, RMSNorm, the gated MLP; then the final norm and ``lm_head`` over the kept rows. The
-tensors and the operations on them are the model's own, in its order, so the logits are bit-identical to the
-model's forward in the same step (the engine's start check compares them with the model's forward over its own
-cache, :func:`ringstream.daemon.engine.checks.check_against_model`). vLLM's model definitions are such loops
+tensors and the operations on them are the model's own, in its order, so the logits are bit-identical to the model's
+forward in the same step (the engine's start check compares them with the model's forward over its own cache,
+:func:`ringstream.daemon.engine.checks.check_against_model`). vLLM's model definitions are such loops
 (``LlamaModel.forward`` in ``vllm/model_executor/models/llama.py``).
 
 :func:`fuse_model` installs it only where the forwards it stands for are transformers' Llama code itself
@@ -77,7 +77,7 @@ class FusedCausalLM:
     def usable(self) -> bool:
         """Whether the loop still stands for the model's forward: no module has a forward hook (nor the global
         registry) and no forward it stands for was replaced (on an instance or a class) since :func:`fuse_model`.
-        Checked by the engine before each step (~15 us at 12 layers), which otherwise runs the model's forward: a
+        Checked by the engine before each step (~13 us at 12 layers), which otherwise runs the model's forward: a
         hook added to a running engine's model runs as it would in the model's own code.
 
         The modules and weights themselves are the engine's from its start, as its packed linears are: a module

