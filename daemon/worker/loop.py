@@ -185,7 +185,7 @@ class Worker:
             self.engine.warmup()
             log.info("warm-up and start check done in %.1f s", time.monotonic() - started)
             if self.fault is not None:
-                log.warning("test hook %s active: every %d-th engine step fails", FAULT_INJECT_ENV, self.fault.every)
+                log.warning("test hook %s active: %s", FAULT_INJECT_ENV, self.fault.describe())
                 self.engine.step = self.fault.wrap(self.engine.step)
             if os.getppid() != spec.parent_pid:
                 raise FrontGone  # the front that started this worker is gone: report nothing to a successor

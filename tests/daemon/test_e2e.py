@@ -17,6 +17,7 @@ import zmq
 
 from ringstream.daemon.common.model_dir import load_tokenizer, resolve_model_dir
 from ringstream.daemon.engine.loader import load_model
+from ringstream.daemon.worker.faults import FAULT_INJECT_ENV
 from ringstream.ipc import protocol as P
 from ringstream.ipc.client import AsyncClient, Client, PromptTooLong, QueueFull
 from tests.daemon_helpers import wait_exit, running_daemon
@@ -153,8 +154,11 @@ def test_request_arriving_mid_decode_starts_before_the_running_one_ends(daemon):
 
 @pytest.fixture(scope="module")
 def small_daemon(start_module_daemon):
-    """One slot, one queue place: easy to saturate."""
-    return start_module_daemon("--max-concurrency", "1", "--queue-size", "1")
+    """One slot, one queue place: easy to saturate. Every engine step sleeps 2 ms (the worker's test hook), so a
+    400-token stream holds the slot for at least 0.8 s and a 509-token one outlives a 0.4 s deadline however fast
+    the engine is."""
+    return start_module_daemon("--max-concurrency", "1", "--queue-size", "1",
+                               env={FAULT_INJECT_ENV: "step_delay_ms=2"})
 
 
 def test_cancel_mid_stream_stops_generation_and_frees_the_slot(small_daemon):
@@ -216,7 +220,7 @@ def test_deadlines_end_streams_and_waiting_requests(small_daemon):
     raw = RawClient(small_daemon.address)
     try:
         raw.send(P.make_generate(id="slow", prompt="Return the", max_tokens=509, temperature=0.0, ignore_eos=True,
-                                 timeout_s=0.4))  # 509 tokens take longer (about 1 s on 2 cores, 0.5 s at 1 ms a token)
+                                 timeout_s=0.4))  # 509 steps of >= 2 ms each take longer
         # Sent at once: "slow" takes the one slot on arrival, so "queued" waits whatever slow's TTFT on a busy host.
         start = time.monotonic()
         raw.send(P.make_generate(id="queued", prompt="Return the", max_tokens=4, queue_timeout_s=0.2))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -45,9 +46,21 @@ def test_the_fault_hook_raises_the_kind_it_is_given():
             faulty()
         assert device_lost(raised.value) is (error is InjectedDeviceError)
     assert len(calls) == 4  # the failing steps ran before raising
-    for bad in ("step_exception_every=2,kind=gpu", "kind=device", "step_exception_every=2,kind=step,kind=step"):
+    for bad in ("step_exception_every=2,kind=gpu", "kind=device", "step_exception_every=2,kind=step,kind=step",
+                "step_delay_ms=-1", "step_exception_every=0", "worker=0"):
         with pytest.raises(ValueError, match="step_exception_every"):
             FaultInjector(bad)
+
+
+def test_the_fault_hook_can_slow_every_step_without_failing_any():
+    slow = FaultInjector("step_delay_ms=20")
+    faulty = slow.wrap(lambda: ["token"])
+    start = time.monotonic()
+    assert [faulty() for _ in range(5)] == [["token"]] * 5
+    assert time.monotonic() - start >= 5 * 0.020  # a lower bound only: sleeps never end early
+    assert slow.describe() == "every engine step sleeps 20 ms"
+    assert FaultInjector("step_exception_every=3,step_delay_ms=1").describe() == (
+        "every 3-th engine step fails (step), every engine step sleeps 1 ms")
 
 
 def test_a_gpu_worker_makes_its_device_current_before_loading(monkeypatch):
