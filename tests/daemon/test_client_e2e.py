@@ -14,12 +14,17 @@ import pytest
 import zmq
 
 from ringstream.daemon import cli
+from ringstream.daemon.worker.faults import FAULT_INJECT_ENV
 from ringstream.ipc import protocol as P
 from ringstream.ipc.client import (
     PROBE_AFTER_S, AsyncClient, Client, DaemonUnavailable, InvalidRequest, RingstreamError, UnknownRequest,
 )
 from ringstream.daemon.launcher import serve_command
 from tests.daemon_helpers import running_daemon, wait_exit
+
+SLOW_STEPS = {FAULT_INJECT_ENV: "step_delay_ms=2"}
+"""The worker's test hook: every engine step sleeps 2 ms, so a 200- or 400-token stream is still running when the
+test's timeout or crash comes, however fast the engine is."""
 
 
 SYNTHETIC = ("--engine", "synthetic", "--synthetic-step-ms", "5", "--devices", "cpu")
@@ -39,7 +44,7 @@ def _assert_nothing_left_running(address: str, why: str, timeout_s: float = 10.0
 
 @pytest.mark.e2e
 def test_streams_of_a_crashed_daemon_end_after_its_restart(tmp_path):
-    with running_daemon(tmp_path) as first:
+    with running_daemon(tmp_path, env=SLOW_STEPS) as first:
         client = Client(first.address, heartbeat_s=0.3, timeout_s=60)
         try:
             stream = client.generate("Return the", max_tokens=400, temperature=0.0, ignore_eos=True)
@@ -70,7 +75,7 @@ def test_a_second_daemon_cannot_take_over_a_live_socket(tmp_path):
 
 @pytest.mark.e2e
 def test_cancelled_async_requests_leave_no_pending_tasks(tmp_path):
-    with running_daemon(tmp_path) as d:
+    with running_daemon(tmp_path, env=SLOW_STEPS) as d:
 
         async def main():
             async with AsyncClient(d.address) as client:

@@ -69,7 +69,9 @@ class RawClient:
 
 @pytest.fixture(scope="module")
 def daemon(start_module_daemon):
-    return start_module_daemon()
+    """Every engine step sleeps 2 ms (the worker's test hook): a request that arrives while a 300-token stream
+    decodes starts before that stream ends, however fast the engine is."""
+    return start_module_daemon(env={FAULT_INJECT_ENV: "step_delay_ms=2"})
 
 
 @pytest.fixture(scope="module")
@@ -317,7 +319,7 @@ def test_two_cpu_workers_both_serve(tmp_path, reference):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_stop_signal_drains_and_leaves_nothing(tmp_path, sig):
-    with running_daemon(tmp_path) as d:
+    with running_daemon(tmp_path, env={FAULT_INJECT_ENV: "step_delay_ms=5"}) as d:  # a stream to drain
         workers = d.worker_pids()
         assert workers and d.segments()
 

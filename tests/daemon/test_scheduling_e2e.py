@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from ringstream.daemon.worker.faults import FAULT_INJECT_ENV
 from ringstream.ipc.client import AsyncClient, Client, InvalidRequest
 
 # These tests time a real daemon on a shared 2-core host; one rerun absorbs a scheduling hiccup of the
@@ -20,9 +21,11 @@ FEEDERS = 3
 
 @pytest.fixture(scope="module")
 def daemon(start_module_daemon):
-    """Its ``config_path`` is rewritten by the reload test."""
+    """Its ``config_path`` is rewritten by the reload test. Every engine step sleeps 5 ms (the worker's test
+    hook): a 300-token stream lasts >= 1.5 s however fast the engine is, so the urgent request meets running
+    streams and the slow reader outlives the client timeout."""
     return start_module_daemon(max_num_seqs=16, max_concurrency=2, preemption=True, aging_rate=1.0,
-                               client_timeout_s=1.5)
+                               client_timeout_s=1.5, env={FAULT_INJECT_ENV: "step_delay_ms=5"})
 
 
 @pytest.fixture

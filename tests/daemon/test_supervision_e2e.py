@@ -11,6 +11,7 @@ import urllib.request
 
 import pytest
 
+from ringstream.daemon.worker.faults import FAULT_INJECT_ENV
 from ringstream.ipc.client import AsyncClient, Client, WorkerFailed
 
 pytestmark = pytest.mark.e2e
@@ -22,7 +23,10 @@ PARAMS = dict(max_tokens=60, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def daemon(start_module_daemon):
     port = _free_port()
-    d = start_module_daemon("--devices", "cpu,cpu", "--metrics-port", str(port), worker_stall_timeout_s=3.0)
+    # Every engine step sleeps 5 ms (the worker's test hook): a 60-token stream lasts >= 0.3 s however fast the
+    # engine is, so a worker is still busy when the fault comes.
+    d = start_module_daemon("--devices", "cpu,cpu", "--metrics-port", str(port), worker_stall_timeout_s=3.0,
+                            env={FAULT_INJECT_ENV: "step_delay_ms=5"})
     d.metrics_url = f"http://127.0.0.1:{port}/metrics"
     with Client(d.address) as client:
         d.alone = {p: client.complete(p, **PARAMS).token_ids for p in PROMPTS}

@@ -59,7 +59,8 @@ STREAM_PROMPT = "The socket module"
 STREAM_JOIN_S = 60.0
 LONG_STREAM_TOKENS = 400
 """Long enough to outlast the sample; the stream is cancelled after it."""
-KILL_STREAM_TOKENS = 64
+KILL_STREAM_TOKENS = 400
+"""Long enough to be running when ringtop is killed."""
 
 # Records written by populate(); the first CONSUMED are read and committed
 # before ringtop starts, so it never sees them.
