@@ -97,7 +97,8 @@ def measure(shapes: list[tuple[int, int]], layers: int, rows: list[int], dtype: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ringstream.tools.bench_linears", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ringstream.tools.bench_linears",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--intermediate", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=12)
