@@ -23,6 +23,11 @@ def cluster():
         yield c
 
 
+# The router learns where blocks live from the daemons' KV events, which race the next request of a tenant: on a
+# busy 2-core host a run now and then routes a tenant's requests before their events land (kv_aware 0.58 of all
+# prompt tokens against ~0.77 in most runs). A rerun absorbs such a run; a router that ignores the events
+# fails every one.
+@pytest.mark.flaky(reruns=3)
 def test_kv_aware_routing_approaches_the_single_cache_ideal_and_beats_round_robin(cluster):
     ideal = ideal_hit_fraction(token_ids(cluster.urls[0], WORKLOAD.prompts()), 16)
     kv = run_policy(cluster, "kv_aware", WORKLOAD)
