@@ -23,10 +23,10 @@ def cluster():
         yield c
 
 
-# The router learns where blocks live from the daemons' KV events, which race the next request of a tenant: on a
-# busy 2-core host a run now and then routes a tenant's requests before their events land (kv_aware 0.58 of all
-# prompt tokens against ~0.77 in most runs). A rerun absorbs such a run; a router that ignores the events
-# fails every one.
+# Now and then a run on a busy 2-core host falls short (kv_aware 0.58 of all prompt tokens against ~0.77 in most
+# runs; 2 of 7 runs one evening), most likely where the router routes a tenant's request before the daemons' KV
+# events for its earlier one have landed. A rerun absorbs such a run; a router that ignores the events (round
+# robin: 0.45-0.58) fails every one.
 @pytest.mark.flaky(reruns=3)
 def test_kv_aware_routing_approaches_the_single_cache_ideal_and_beats_round_robin(cluster):
     ideal = ideal_hit_fraction(token_ids(cluster.urls[0], WORKLOAD.prompts()), 16)
