@@ -46,6 +46,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 import torch  # noqa: E402
 
 from ringstream.daemon.engine.engine import Engine, EngineConfig, EngineRequest, SamplingParams
+from ringstream.daemon.worker.malloc_tuning import retain_freed_memory
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "daemon" / "default_model"
 DEFAULT_BATCH = 64
@@ -228,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    retain_freed_memory()  # as the daemon's CPU workers
     model, tokenizer, description = load(args.model_dir)
     model.to(getattr(torch, args.dtype))
     params = sum(p.numel() for p in model.parameters())

@@ -240,6 +240,7 @@ class Worker:
 
         from ringstream.daemon.engine.engine import Engine
         from ringstream.daemon.engine.loader import load_model
+        from ringstream.daemon.worker.malloc_tuning import retain_freed_memory
 
         log.info("imported in %.1f s", time.monotonic() - started)
 
@@ -247,6 +248,7 @@ class Worker:
         tokenizer = load_tokenizer(info)
         check_tokenizer_vocab(tokenizer, info)  # before the weights: a refusal in a second, naming both sizes
         if config.device == "cpu":
+            retain_freed_memory()  # before the weights: a step's activations reuse the last step's pages
             if config.threads:
                 torch.set_num_threads(config.threads)
         elif not torch.cuda.is_available() or int(config.device.split(":")[1]) >= torch.cuda.device_count():
