@@ -430,7 +430,9 @@ def add_parser(sub) -> None:
     p.add_argument("--requests", type=int, default=Workload.requests, help="requests per policy")
     p.add_argument("--system-tokens", type=int, default=Workload.system_tokens,
                    help="about this many tokens of system prompt per tenant")
-    p.add_argument("--concurrency", type=int, default=Workload.concurrency, help="requests in flight")
+    p.add_argument("--concurrency", type=int, default=Workload.concurrency,
+                   help="requests in flight, sent in rounds of this many once the last round's KV events have gone "
+                        "quiet (the --kill run: each as one is answered)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per daemon")
     p.add_argument("--kv-cache-bytes", type=int,
                    help=f"each daemon's KV pool (default: {BUILTIN_KV_CACHE_BYTES} with the built-in model, about "
