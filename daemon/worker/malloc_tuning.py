@@ -22,7 +22,6 @@ pool and the weights, allocated once, are not affected). Where the environment a
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import platform
@@ -57,7 +56,7 @@ def retain_freed_memory(environ: os._Environ | dict[str, str] = os.environ) -> b
         log.debug("malloc left as it is: the C library is not glibc")
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc = ctypes.CDLL("libc.so.6")  # glibc's soname on Linux (find_library would run ldconfig)
         ok = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and libc.mallopt(M_TRIM_THRESHOLD,
                                                                                  TRIM_THRESHOLD) == 1
     except (OSError, AttributeError) as exc:
