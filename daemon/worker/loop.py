@@ -39,6 +39,7 @@ from ringstream.daemon.engine.interface import EngineRequest, PromptTooLong, Req
 from ringstream.daemon.common.model_dir import ModelRefused
 from ringstream.daemon.common.proctitle import set_process_title, worker_title
 from ringstream.daemon.worker.faults import FAULT_INJECT_ENV, FaultInjector
+from ringstream.daemon.worker.malloc_tuning import release_free_memory, retain_freed_memory
 from ringstream.daemon.worker.spec import WorkerSpec
 from ringstream.ipc import protocol as P
 from ringstream.ipc.ring import KIND_ERROR, KIND_FINISH, KIND_PROMPT_LOGPROBS, KIND_TOKEN, RingProducer
@@ -143,6 +144,8 @@ class Worker:
         self.waiting_space = False
         self.unpublished = False
         self.steps = 0
+        self.release_when_idle = False
+        """Whether the heap's free pages are handed back when the engine goes idle (:mod:`.malloc_tuning`)."""
         self.next_heartbeat = 0.0
         self.fault: FaultInjector | None = None
         self.kv_events = None
@@ -240,7 +243,6 @@ class Worker:
 
         from ringstream.daemon.engine.engine import Engine
         from ringstream.daemon.engine.loader import load_model
-        from ringstream.daemon.worker.malloc_tuning import retain_freed_memory
 
         log.info("imported in %.1f s", time.monotonic() - started)
 
@@ -248,7 +250,8 @@ class Worker:
         tokenizer = load_tokenizer(info)
         check_tokenizer_vocab(tokenizer, info)  # before the weights: a refusal in a second, naming both sizes
         if config.device == "cpu":
-            retain_freed_memory()  # before the weights: a step's activations reuse the last step's pages
+            # before the weights: a step's activations reuse the last step's pages; given back when idle
+            self.release_when_idle = retain_freed_memory()
             if config.threads:
                 torch.set_num_threads(config.threads)
         elif not torch.cuda.is_available() or int(config.device.split(":")[1]) >= torch.cuda.device_count():
@@ -287,6 +290,7 @@ class Worker:
             raise FrontGone
         engine = self.engine
         idle_ms = int(self.spec.heartbeat_s * 1000)
+        stepped = False  # since the last release of free heap pages
         while True:
             self._check_alive()
             while self.deferred:
@@ -296,6 +300,9 @@ class Worker:
             if not engine.has_unfinished():
                 self._publish()  # records written by commands alone (e.g. an abort's FINISH)
                 self._publish_kv_events()
+                if stepped and self.release_when_idle:
+                    release_free_memory()  # a burst's high-water mark back to the system, once per idle spell
+                stepped = False
                 continue
             try:
                 outputs = engine.step()
@@ -310,6 +317,7 @@ class Worker:
                 self._publish_kv_events()  # what the failed step cached or evicted before it failed
                 continue
             self.steps += 1
+            stepped = True
             for out in outputs:
                 self._write_output(out)
             self._publish()
