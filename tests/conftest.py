@@ -26,9 +26,19 @@ import functools
 import multiprocessing.process
 import multiprocessing.util
 import os
+import signal
 import subprocess
 
 import pytest
+
+
+def pytest_configure(config):
+    """Ctrl-C at its default for the run: a runner started in the background by a non-interactive shell
+    (``pytest &``) ignores SIGINT, every process the tests start inherits that, and the tests that press Ctrl-C on a
+    demo or a live view would see it ignored. A handled SIGINT goes back to its default across exec."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 E2E = "e2e"
 _FAILED = pytest.StashKey[bool]()

@@ -39,11 +39,9 @@ def test_ctrl_c_while_streaming_cancels_stops_the_daemon_and_prints_one_line(sho
     tmp_path = short_tmp
     demo = subprocess.Popen([sys.executable, "-m", "ringstream.daemon.cli", "demo", "--max-tokens", str(MAX_TOKENS)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            # the demo's daemon socket goes to TMPDIR; its steps sleep 50 ms (the worker's test
-                            # hook), so its streams are still running when SIGINT comes, however fast the engine is:
-                            # the built-in model ends most of them at EOS within ~60 tokens (at 2 ms a step a busy
-                            # host's test once saw every stream end, in 2.9 s, before its SIGINT)
-                            env=dict(os.environ, TMPDIR=str(tmp_path), RINGSTREAM_FAULT_INJECT="step_delay_ms=50"))
+                            # the demo's daemon socket goes to TMPDIR; its steps sleep 2 ms (the worker's test
+                            # hook), so its streams are still running when SIGINT comes, however fast the engine is
+                            env=dict(os.environ, TMPDIR=str(tmp_path), RINGSTREAM_FAULT_INJECT="step_delay_ms=2"))
     daemon: list[psutil.Process] = []
     try:
         sockets = wait_for(lambda: glob.glob(f"{tmp_path}/ringstream-*/*.sock") or demo.poll() is not None,
