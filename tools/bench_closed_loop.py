@@ -124,9 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = Path(args.model) if args.model else build_model_dir(ModelShape(dtype=args.dtype), tmp)
         info = resolve_model_dir(model_dir)
         try:
-            config = EngineConfig(**({"threads": args.threads, "dtype": args.dtype, "max_num_seqs": args.concurrency,
-                                      "kv_cache_bytes": DEFAULT_KV_CACHE_BYTES,
-                                      "max_model_len": min(DEFAULT_MAX_MODEL_LEN, info.max_model_len)} | settings)).check()
+            fields = {"threads": args.threads, "dtype": args.dtype, "max_num_seqs": args.concurrency,
+                      "kv_cache_bytes": DEFAULT_KV_CACHE_BYTES,
+                      "max_model_len": min(DEFAULT_MAX_MODEL_LEN, info.max_model_len)}
+            config = EngineConfig(**(fields | settings)).check()
         except (TypeError, ValueError) as exc:
             parser.error(f"--setting: {exc}")
         engine = Engine(load_model(info, dtype=args.dtype), load_tokenizer(info), config,
