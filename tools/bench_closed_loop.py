@@ -4,7 +4,7 @@ or client, to read what serving costs.
 ``python -m ringstream.tools.bench_closed_loop [--model DIR] [--dtype bfloat16] [--workloads prefill,decode]
 [--threads N] [--setting NAME=VALUE] [--json FILE]`` steps one :class:`~ringstream.daemon.engine.engine.Engine` in
 this process as a CPU worker would (huge pages, its malloc thresholds, ``--threads`` torch threads) over the same
-closed loop as ``ringstream-bench vllm``: ``--num-prompts`` random prompts (the same token ids for the same seed),
+closed loop as ``ringstream-bench vllm``: ``--num-prompts`` random prompts (its built-in client's, for the same seed),
 ``--concurrency`` in flight, each finished request replaced by the next at once, greedy, EOS ignored. Per workload
 it prints output tok/s, the median TTFT and TPOT (TPOT: (last token - first token) / (output - 1), as vLLM's
 client computes it), and how the steps split: decode-only steps and steps with prompt tokens, their counts and
@@ -29,7 +29,7 @@ from pathlib import Path
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the daemon's workers (daemon.front.worker_pool)
 
 from ringstream.tools.bench_vllm import (  # noqa: E402
-    DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_MODEL_LEN, ModelShape, _random_prompts, build_model_dir, parse_setting,
+    DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_MODEL_LEN, ModelShape, random_prompts, build_model_dir, parse_setting,
     parse_workloads,
 )
 
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.warmup()
         results = {}
         for name, (prompt_len, output_len) in workloads.items():
-            prompts = _random_prompts(info.vocab_size, prompt_len, args.num_prompts, args.seed)
+            prompts = random_prompts(info.vocab_size, prompt_len, args.num_prompts, args.seed)
             result = results[name] = run_workload(engine, prompts, output_len, args.concurrency)
             print(f"{name} {prompt_len}/{output_len}: {result['tok_s']:.1f} tok/s, TTFT p50 "
                   f"{result['ttft_p50_ms']:.0f} ms, TPOT p50 {result['tpot_p50_ms']:.1f} ms; "

@@ -747,7 +747,8 @@ def run_vllm_client(settings: Settings, server: Server, name: str, prompt_len: i
     return data
 
 
-def _random_prompts(vocab: int, prompt_len: int, count: int, seed: int) -> list[list[int]]:
+def random_prompts(vocab: int, prompt_len: int, count: int, seed: int) -> list[list[int]]:
+    """``count`` prompts of ``prompt_len`` token ids drawn from the ordinary ids below ``vocab`` (seeded)."""
     import random
 
     from ringstream.tools.loadgen import FIRST_ORDINARY_TOKEN_ID
@@ -837,10 +838,10 @@ def builtin_result(requests: list[dict], duration_s: float) -> dict:
 def run_builtin_client(settings: Settings, server: Server, name: str, prompt_len: int, output_len: int,
                        vocab: int) -> dict:
     """This module's OpenAI streaming client (closed loop, ``concurrency`` streams, token-id prompts)."""
-    warm = _random_prompts(vocab, prompt_len, settings.warmup_requests, settings.seed + 1)
+    warm = random_prompts(vocab, prompt_len, settings.warmup_requests, settings.seed + 1)
     if warm:
         asyncio.run(_builtin_load(server.url, warm, output_len, settings.concurrency))
-    prompts = _random_prompts(vocab, prompt_len, settings.num_prompts, settings.seed)
+    prompts = random_prompts(vocab, prompt_len, settings.num_prompts, settings.seed)
     requests, duration = asyncio.run(_builtin_load(server.url, prompts, output_len, settings.concurrency))
     return builtin_result(requests, duration) | {"client": "ringstream-bench builtin OpenAI streaming client"}
 

@@ -21,7 +21,7 @@ def _glibc_takes_a_256_mib_threshold() -> bool:
     """glibc >= 2.35 with mallinfo2 (2.33): older ones refuse an mmap threshold above 32 MiB."""
     try:
         version = os.confstr("CS_GNU_LIBC_VERSION") or ""
-        hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2")  # raises AttributeError where missing
+        ctypes.CDLL("libc.so.6").mallinfo2  # noqa: B018 (raises AttributeError where missing)
     except (OSError, ValueError, AttributeError):
         return False
     major, _, minor = version.removeprefix("glibc ").partition(".")
