@@ -81,7 +81,7 @@ from ringstream.daemon.engine.interface import (
 )
 from ringstream.daemon.engine.checks import check_against_model, check_model, ignored_generation_defaults, kv_layout
 from ringstream.daemon.engine.scheduler import SequenceState, StepScheduler
-from ringstream.daemon.engine.step_budget import StepBudget, default_max_step_ms
+from ringstream.daemon.engine.step_budget import StepBudget, default_max_step_ms, default_min_chunk_tokens
 from ringstream.daemon.common.model_dir import ModelRefused
 from ringstream.daemon.engine.rope import check_batch_independent, fix_rope_frequencies
 from ringstream.daemon.engine.kernels import native_ops
@@ -167,7 +167,8 @@ class Engine(BaseEngine):
         self._runner = ModelRunner(model, self._cache, self._blocks, vocab_size=self.vocab_size, device=self.device,
                                    seed=config.seed, native=native)
         max_step_ms = config.max_step_ms if config.max_step_ms is not None else default_max_step_ms(self.device.type)
-        self._budget = StepBudget(max_step_ms, config.max_num_batched_tokens) if max_step_ms > 0 else None
+        self._budget = (StepBudget(max_step_ms, config.max_num_batched_tokens,
+                                   default_min_chunk_tokens(self.device.type)) if max_step_ms > 0 else None)
         self._scheduler.chunk_limit = self._budget.chunk_tokens if self._budget is not None else None
         self._scheduler.burst_ratio = config.prefill_burst_ratio
         if config.prefill_burst_ratio and self._budget is None:

@@ -21,6 +21,12 @@ for every result that is a number), then :func:`~ringstream.daemon.engine.attent
 ``o_proj``: one native call where the module makes about twenty small tensor ops and a cache update, as vLLM's
 ``rotary_embedding`` and ``reshape_and_cache`` ops serve its model definitions. Anywhere else (``generate()``'s
 own cache, a forward without the step's metadata) the block runs its own forward.
+
+transformers releases that depend on the ``kernels`` package mark these functions for replacement by a hub
+kernel: ``apply_rotary_pos_emb`` becomes a module whose forward calls the function, and the attention class's
+forward a wrapper that routes it to a per-block copy. Those wrappers run the function itself until
+``kernels.kernelize`` swaps a copy's forward; :func:`_unwrapped` reads through them while nothing is swapped, and
+a block whose copy was swapped keeps its own forward.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ def _tokens(function) -> tuple[str, ...] | None:
     markers, whatever their width), comments and line breaks inside brackets dropped; None where the source
     cannot be read or ``function`` is wrapped by code outside transformers (``inspect.getsource`` would read the
     wrapped function and hide the wrapper)."""
+    function = _unwrapped(function)
     return _source_tokens(function) if _transformers_own(function) else None
 
 
@@ -74,15 +81,45 @@ def _source_tokens(function) -> tuple[str, ...] | None:
 
 def _transformers_own(function) -> bool:
     """Whether ``function`` and every function it wraps (``__wrapped__``, as ``functools.wraps`` sets) are defined in
-    transformers' package: its own decorators only."""
+    transformers' package: its own decorators only, and ``kernels``' ``use_kernelized_func`` wrapper (see the
+    module docstring; :func:`_kernelized` tells whether a block's copies were swapped)."""
     package = os.path.dirname(inspect.getfile(transformers)) + os.sep
     seen = 0
     while function is not None and seen < 16:
         code = getattr(function, "__code__", None)
-        if code is None or not os.path.abspath(code.co_filename).startswith(package):
+        if code is None or not (os.path.abspath(code.co_filename).startswith(package) or _kernels_wrapper(code)):
             return False
         function, seen = getattr(function, "__wrapped__", None), seen + 1
     return function is None
+
+
+def _kernels_wrapper(code: types.CodeType) -> bool:
+    """Whether ``code`` is the forward wrapper of ``kernels``' ``use_kernelized_func`` (kernels 0.1x)."""
+    return (code.co_qualname == "use_kernelized_func.<locals>.decorator.<locals>.new_forward"
+            and os.sep + os.path.join("kernels", "_internals", "layer", "layer.py") in os.path.abspath(
+                code.co_filename))
+
+
+def _unwrapped(function):
+    """The function a ``kernels`` hub function module stands for (``use_kernel_forward_from_hub`` on a function:
+    an ``nn.Module`` whose class forward calls it), while neither that instance's forward was swapped nor its
+    class's replaced; else ``function`` itself (a plain function, or anything else, which then fails the
+    token comparison)."""
+    if not isinstance(function, nn.Module) or not hasattr(type(function), "kernel_layer_name"):
+        return function
+    forward = type(function).forward
+    code, cells = getattr(forward, "__code__", None), getattr(forward, "__closure__", None) or ()
+    if (code is None or "forward" in function.__dict__ or "func" not in code.co_freevars
+            or code.co_qualname != "_create_func_module.<locals>.Func.forward"):
+        return function
+    return cells[code.co_freevars.index("func")].cell_contents
+
+
+def _kernelized(module: nn.Module) -> bool:
+    """Whether ``kernels.kernelize`` swapped the forward of one of ``module``'s per-block function copies
+    (``use_kernelized_func``'s ``_kernel_funcs``): the block then computes another kernel's code."""
+    copies = module.__dict__.get("_kernel_funcs") or {}
+    return any(not isinstance(copy, nn.Module) or _unwrapped(copy) is copy for copy in copies.values())
 
 
 @functools.cache
@@ -193,7 +230,8 @@ def fuse_attention(model: nn.Module, ops) -> int:
     changed = 0
     for module in model.modules():
         projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")]
-        if not all(isinstance(p, FusedLinearSlice) for p in projections) or not _llama_attention(type(module)):
+        if (not all(isinstance(p, FusedLinearSlice) for p in projections) or not _llama_attention(type(module))
+                or _kernelized(module)):
             continue
         group = projections[0].group
         head_dim = getattr(module, "head_dim", None)

@@ -10,11 +10,12 @@ request, the second over the first's context, at start), then refined after ever
 :meth:`StepBudget.observe` (moving averages: a decode-only step refines the fixed cost; a step with a chunk the
 cost of a row or, where its attention is the larger part, of a pair; each with the others held).
 :meth:`StepBudget.chunk_tokens` is then the prompt tokens that fill the target beside the step's decode rows, for
-a chunk starting at a given position, within ``[MIN_CHUNK_TOKENS, max_num_batched_tokens - decodes]``; a step
+a chunk starting at a given position, within ``[min_chunk_tokens, max_num_batched_tokens - decodes]``; a step
 without decode rows stalls no stream and takes the token budget whole (a burst of arrivals prefills in large
 steps). Where the decode rows alone already take the target, a chunk may still cost as much as they do (the step
 takes at most ``max(target, 2 x decode step)``), so prompts always advance and the weight reads never cost more
-than the tokens they serve.
+than the tokens they serve; and on CPU a chunk has at least ``CPU_MIN_CHUNK_TOKENS`` tokens, as on a slow host the
+time fit alone leaves too few to keep the batch full of decoding streams.
 
 Why: with a fixed token budget, a long prompt stalls every decoding stream for as long as its chunk takes, which
 depends on the device by two orders of magnitude (2,048 tokens of an 82M-parameter model take seconds on two CPU
@@ -28,8 +29,8 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["ACCELERATOR_MAX_STEP_MS", "CPU_MAX_STEP_MS", "MIN_CHUNK_TOKENS", "StepBudget", "chunk_pairs",
-           "default_max_step_ms"]
+__all__ = ["ACCELERATOR_MAX_STEP_MS", "CPU_MAX_STEP_MS", "CPU_MIN_CHUNK_TOKENS", "MIN_CHUNK_TOKENS", "StepBudget",
+           "chunk_pairs", "default_max_step_ms", "default_min_chunk_tokens"]
 
 CPU_MAX_STEP_MS = 50.0
 """Default target of a step with a prompt chunk on CPU, milliseconds: a 4,096-token prompt's chunks then stall 16
@@ -39,7 +40,16 @@ prefill-heavy side-by-side ~4% of its throughput against 80 ms."""
 ACCELERATOR_MAX_STEP_MS = 50.0
 """Default target on an accelerator (CUDA), milliseconds."""
 MIN_CHUNK_TOKENS = 16
-"""Fewest prompt tokens a step may carry while prompts wait."""
+"""Fewest prompt tokens a step may carry while prompts wait (an accelerator's default)."""
+CPU_MIN_CHUNK_TOKENS = 64
+"""Fewest prompt tokens a CPU step may carry while prompts wait. Where a decode step alone takes about the target
+(a slow host: 27-40 ms at 16 streams on a 2-core AVX2 EPYC against the 50 ms target), the time fit leaves a chunk
+of ~20 tokens: the linears then run at a fraction of the FMA peak (``bench_linears`` there: 113-148 GFLOPS at 16
+rows, 148-157 at 64, 164-175 at 256), every step reads every weight again for them, and prompts advance so slowly
+that the batch runs short of decoding streams (about 9 of 16). The float32 prefill-heavy closed loop on that host
+(``bench_closed_loop --workloads prefill``): 161-173 tok/s at TTFT p50 1.2-5.6 s with 16, 218 at 0.62 s with 64,
+219 at 0.45 s with 128; TPOT p50 52-83 ms with any of them. Where the target leaves more (the AVX-512 host's
+~100-token chunks at 16 streams) the floor changes nothing."""
 SMOOTHING = 0.2
 """Weight of the newest step in the moving estimates (they follow about the last five steps)."""
 ROW_PAIRS = 512
@@ -54,22 +64,33 @@ def default_max_step_ms(device_type: str) -> float:
     return CPU_MAX_STEP_MS if device_type == "cpu" else ACCELERATOR_MAX_STEP_MS
 
 
+def default_min_chunk_tokens(device_type: str) -> int:
+    """The fewest prompt tokens a step carries while prompts wait, for a device type."""
+    return CPU_MIN_CHUNK_TOKENS if device_type == "cpu" else MIN_CHUNK_TOKENS
+
+
 class StepBudget:
     """How many prompt tokens the next step may carry.
 
     Args:
         max_step_ms: the target duration of a step with a prompt chunk, milliseconds (> 0).
         max_num_batched_tokens: the token budget of a step (decodes included): the upper bound.
+        min_chunk_tokens: the fewest prompt tokens a step carries while prompts wait, whatever the target
+            (:func:`default_min_chunk_tokens`), >= 1.
 
     Raises:
-        ValueError: ``max_step_ms`` is not > 0 and finite.
+        ValueError: ``max_step_ms`` is not > 0 and finite, or ``min_chunk_tokens`` < 1.
     """
 
-    def __init__(self, max_step_ms: float, max_num_batched_tokens: int) -> None:
+    def __init__(self, max_step_ms: float, max_num_batched_tokens: int,
+                 min_chunk_tokens: int = MIN_CHUNK_TOKENS) -> None:
         if not 0 < max_step_ms < math.inf:
             raise ValueError(f"max_step_ms = {max_step_ms}: must be > 0 and finite")
+        if min_chunk_tokens < 1:
+            raise ValueError(f"min_chunk_tokens = {min_chunk_tokens}: must be >= 1")
         self.target_s = max_step_ms / 1000
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.min_chunk_tokens = min_chunk_tokens
         self.fixed_s: float | None = None
         """What a step costs before its rows (the weight reads), seconds; None until calibrated."""
         self.row_s: float | None = None
@@ -144,7 +165,7 @@ class StepBudget:
         a = self.pair_s / 2
         b = self.row_s + self.pair_s * (start + 0.5)
         n = share_s / b if a == 0 else (math.sqrt(b * b + 4 * a * share_s) - b) / (2 * a)
-        return max(min(MIN_CHUNK_TOKENS, room), int(min(room, n)))
+        return max(min(self.min_chunk_tokens, room), int(min(room, n)))
 
 
 def chunk_pairs(start: int, tokens: int) -> int:

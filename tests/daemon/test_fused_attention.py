@@ -159,3 +159,23 @@ def test_engine_steps_take_the_fused_block_and_keep_their_tokens(ops, tiny, monk
     assert fast == plain and all(len(tokens) == 24 for tokens in fast.values())
     assert len(calls) >= 2 * 24  # two layers, every step
     assert any(shape[1] > 1 for shape in calls)  # prompt chunks as well as decode rows
+
+
+def test_kernels_hub_wrappers_are_read_through_until_a_block_is_kernelized(ops):
+    # transformers releases that depend on `kernels` wrap apply_rotary_pos_emb (a module calling the function)
+    # and LlamaAttention.forward (routing it to a per-block copy); unswapped, both run Llama's own code
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from ringstream.daemon.engine.fused import _tokens, _unwrapped
+
+    model = tiny_family_model(LlamaConfig, LlamaForCausalLM)
+    blocks = [layer.self_attn for layer in model.model.layers]
+    copies = [copy for block in blocks for copy in (block.__dict__.get("_kernel_funcs") or {}).values()]
+    if not copies:
+        pytest.skip("this transformers does not wrap its functions for the kernels hub")
+    assert _tokens(apply_rotary_pos_emb) is not None and callable(_unwrapped(apply_rotary_pos_emb))
+    # what kernels.kernelize does to a block's copy: an instance forward of another kernel's code
+    (swapped,) = blocks[1].__dict__["_kernel_funcs"].values()
+    swapped.forward = lambda q, k, cos, sin, unsqueeze_dim=1: (q, k)
+    pack_linears(model, ops)
+    assert fuse_attention(model, ops) == 1  # the first block only
+    assert blocks[0].__dict__.get("forward") is not None and "forward" not in blocks[1].__dict__

@@ -15,8 +15,8 @@ from torch import nn
 
 from ringstream.daemon.engine import kernels
 from ringstream.daemon.engine.linear import FusedLinearSlice, LinearKernel, PackedLinear, pack_linears
-from tests.daemon.native_helpers import (greedy_outputs, native_ops_or_skip, tiny,  # noqa: F401 (fixture)
-                                         tiny_family_model)
+from tests.daemon.native_helpers import (bf16_layouts, greedy_outputs, native_ops_or_skip,  # noqa: F401 (fixture)
+                                         tiny, tiny_family_model)
 from tests.factories import load_model
 
 
@@ -175,19 +175,6 @@ def test_native_linear_is_as_accurate_as_linear(ops, panel, rows, out_features, 
     if rows:
         torch_error = (F.linear(x, linear.weight, linear.bias).double() - exact).abs().max().item()
         assert (got.double() - exact).abs().max().item() <= 4 * torch_error + 1e-6
-
-
-def bf16_layouts(ops) -> list[int]:
-    """The bfloat16 panel layouts this host runs: 48 (widened to float32) on AVX-512 hosts, 96 (k-pairs for
-    VDPBF16PS) where it also has AVX512_BF16."""
-    layouts = []
-    for panel in (48, 96):
-        try:
-            ops.pack_linear_weight(torch.zeros(1, 2, dtype=torch.bfloat16), panel)
-            layouts.append(panel)
-        except RuntimeError:
-            pass
-    return layouts
 
 
 @pytest.mark.parametrize("layout", [48, 96])

@@ -4,7 +4,9 @@ import pytest
 
 from ringstream.daemon.common.engine_config import EngineConfig
 
-from ringstream.daemon.engine.step_budget import MIN_CHUNK_TOKENS, StepBudget, chunk_pairs, default_max_step_ms
+from ringstream.daemon.engine.step_budget import (
+    CPU_MIN_CHUNK_TOKENS, MIN_CHUNK_TOKENS, StepBudget, chunk_pairs, default_max_step_ms, default_min_chunk_tokens,
+)
 
 
 def step_time(rows: int, fixed_s: float = 0.020, row_s: float = 0.001) -> float:
@@ -201,3 +203,23 @@ def test_a_step_is_observed_from_its_schedule():
     budget = StepBudget(100, 2048)
     budget.calibrate(step_time(1), 256, chunk_time(0, 256), second_chunk_s=chunk_time(256, 256))
     assert budget.describe().startswith("100 ms a step") and "1.000 ms a row" in budget.describe()
+
+
+def test_a_cpu_step_carries_at_least_its_floor_of_prompt_tokens():
+    # a slow host: 16 decode rows alone take the target, so the time fit leaves a chunk of ~decode-step's worth
+    slow = dict(fixed_s=0.030, row_s=0.001)
+    fitted, floored = StepBudget(50, 2048), StepBudget(50, 2048, default_min_chunk_tokens("cpu"))
+    for budget in (fitted, floored):
+        budget.calibrate(step_time(1, **slow), 256, step_time(256, **slow))
+    assert fitted.chunk_tokens(16) == 46  # 2 x 46 ms: the decodes' step again
+    assert floored.chunk_tokens(16) == CPU_MIN_CHUNK_TOKENS == 64
+    assert floored.chunk_tokens(16, 4000) == 64  # however deep the chunk
+    fast = dict(fixed_s=0.010, row_s=0.0003)  # where the fit leaves more, the floor changes nothing
+    fitted, floored = StepBudget(50, 2048), StepBudget(50, 2048, default_min_chunk_tokens("cpu"))
+    for budget in (fitted, floored):
+        budget.calibrate(step_time(1, **fast), 256, step_time(256, **fast))
+    assert floored.chunk_tokens(16) == fitted.chunk_tokens(16) == 117
+    assert StepBudget(50, 40, 64).chunk_tokens(16) == 24  # within the token budget still
+    assert default_min_chunk_tokens("cuda") == MIN_CHUNK_TOKENS
+    with pytest.raises(ValueError, match="min_chunk_tokens"):
+        StepBudget(50, 2048, 0)

@@ -59,27 +59,33 @@ int64_t host_panel() { return host_has_avx512() ? kPanelAvx512 : kPanelAvx2; }
 constexpr int64_t kPairPanel = 2 * kPanelAvx512;  // a bfloat16 panel of k-pairs: 48 columns x 2 k per row
 
 // Software prefetches of a microkernel, by the place of its row block in a panel's pass (rows of one task):
-// the first block reads the panel from memory and fetches kAheadRows k-rows ahead into L1; the blocks fetch the
-// next panel into L2 as they compute, so that the next panel's memory reads overlap this one's arithmetic: in the
-// AVX2 kernel the last block does (the same k-row of the next panel as its own), in the AVX-512 kernel every block
-// its share (panel48). Measured on the AVX-512 host over a decode step's weights (314 MB, 16 rows): 1.3-1.4x the
-// kernel without them; on a 2-core AMD EPYC, sharing the next panel's reads among the blocks instead of leaving
-// them to the last: 24 rows 12.2 -> 10.5 ms, 16 rows 9.9 -> 9.3 (medians of six alternating runs), bfloat16 at 48
-// rows 10.2 -> 9.3.
+// the first block reads the panel from memory and fetches kAheadRows k-rows ahead into L1; every block fetches
+// its share of the next panel into L2 as it computes (panel24, panel48), so that the next panel's memory reads
+// overlap all of this one's arithmetic. Measured on the AVX-512 host over a decode step's weights (314 MB, 16
+// rows): 1.3-1.4x the kernel without them; on a 2-core AMD EPYC (AVX-512), sharing the next panel's reads among
+// the blocks instead of leaving them to the last: 24 rows 12.2 -> 10.5 ms, 16 rows 9.9 -> 9.3 (medians of six
+// alternating runs), bfloat16 at 48 rows 10.2 -> 9.3; on a 2-core AMD EPYC with AVX2 alone, the AVX2 kernel
+// (bench_linears, 302 MB, alternating pairs): 8 rows 15.6-16.6 -> 13.3-14.5 ms, 16 rows 22.4-22.5 -> 16.2-20.4,
+// 24 rows 28.7-32.2 -> 21.9-28.9.
 constexpr int kFetchAhead = 1, kFetchNext = 2;
 constexpr int64_t kAheadRows = 16;
 
-inline int fetch_flags(int64_t m, int64_t rows, int64_t block, bool has_next) {
-  return (m == 0 ? kFetchAhead : 0) | (m + block >= rows && has_next ? kFetchNext : 0);
-}
-
 // ---- P = 24: AVX2 + FMA, or the same blocking left to the compiler's vectoriser
+
+// The part of the next panel that a row block fetches into L2 as it computes: one k-row (row, advanced by a
+// panel row each time) every `every` k-steps while row < end.
+struct Slice24 {
+  const float* row = nullptr;
+  const float* end = nullptr;
+  int every = 1;
+  int countdown = 1;
+};
 
 #if defined(__AVX2__) && defined(__FMA__)
 
 template <int MR, int FETCH>
 inline void microkernel24(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy,
-                          const float* bias, int64_t cols, const float* next) {
+                          const float* bias, int64_t cols, Slice24 next) {
   constexpr int V = kPanelAvx2 / 8;  // registers across a panel row
   __m256 acc[MR][V];
 #pragma GCC unroll 8
@@ -96,8 +102,14 @@ inline void microkernel24(const float* x, int64_t ldx, const float* w, int64_t K
       _mm_prefetch(reinterpret_cast<const char*>(w + (k + kAheadRows) * kPanelAvx2 + 16), _MM_HINT_T0);
     }
     if constexpr ((FETCH & kFetchNext) != 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanelAvx2), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanelAvx2 + 16), _MM_HINT_T1);
+      if (--next.countdown == 0) {  // one k-row of this block's slice of the next panel every `every` k-steps
+        next.countdown = next.every;
+        if (next.row < next.end) {
+          _mm_prefetch(reinterpret_cast<const char*>(next.row), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(next.row + 16), _MM_HINT_T1);
+        }
+        next.row += kPanelAvx2;
+      }
     }
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
@@ -121,7 +133,7 @@ inline void microkernel24(const float* x, int64_t ldx, const float* w, int64_t K
 
 template <int MR, int FETCH>
 inline void microkernel24(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy,
-                          const float* bias, int64_t cols, const float* /*next*/) {
+                          const float* bias, int64_t cols, Slice24 /*next*/) {
   float acc[MR][kPanelAvx2] = {};
   for (int64_t k = 0; k < K; ++k)
     for (int r = 0; r < MR; ++r)
@@ -134,7 +146,7 @@ inline void microkernel24(const float* x, int64_t ldx, const float* w, int64_t K
 
 template <int MR>
 void block24(int fetch, const float* x, int64_t K, const float* w, float* y, int64_t N, const float* bias,
-             int64_t cols, const float* next) {
+             int64_t cols, Slice24 next) {
   switch (fetch) {
     case 0: return microkernel24<MR, 0>(x, K, w, K, y, N, bias, cols, next);
     case kFetchAhead: return microkernel24<MR, kFetchAhead>(x, K, w, K, y, N, bias, cols, next);
@@ -144,20 +156,33 @@ void block24(int fetch, const float* x, int64_t K, const float* w, float* y, int
 }
 
 // rows [0, rows) of x [rows, K] (row stride K) times one panel -> y (row stride N), cols of the panel's columns;
-// next: the panel this task computes after it, or null.
+// next: the panel this task computes after it, or null. Each row block fetches its share of the next panel into
+// L2 (block b of nb: k-rows [b K / nb, (b + 1) K / nb), one every nb k-steps), as panel48's do.
 void panel24(int64_t rows, const float* x, int64_t K, const float* w, float* y, int64_t N, const float* bias,
              int64_t cols, const float* next) {
   static_assert(kRowsAvx2 == 4, "the tail below covers 1 to 3 rows");
+  const int64_t blocks = (rows + kRowsAvx2 - 1) / kRowsAvx2;
+  const auto slice = [&](int64_t b) {
+    Slice24 s{};
+    if (next != nullptr) {
+      s.row = next + b * K / blocks * kPanelAvx2;
+      s.end = next + (b + 1) * K / blocks * kPanelAvx2;
+      s.every = s.countdown = static_cast<int>(blocks);
+    }
+    return s;
+  };
+  const int with_next = next != nullptr ? kFetchNext : 0;
   int64_t m = 0;
   for (; m + kRowsAvx2 <= rows; m += kRowsAvx2)
-    block24<kRowsAvx2>(fetch_flags(m, rows, kRowsAvx2, next != nullptr), x + m * K, K, w, y + m * N, N, bias, cols,
-                       next);
-  const int fetch = fetch_flags(m, rows, rows - m, next != nullptr);
+    block24<kRowsAvx2>((m == 0 ? kFetchAhead : 0) | with_next, x + m * K, K, w, y + m * N, N, bias, cols,
+                       slice(m / kRowsAvx2));
+  const int fetch = (m == 0 ? kFetchAhead : 0) | with_next;
+  const Slice24 last = slice(m / kRowsAvx2);
   x += m * K, y += m * N;
   switch (rows - m) {
-    case 3: return block24<3>(fetch, x, K, w, y, N, bias, cols, next);
-    case 2: return block24<2>(fetch, x, K, w, y, N, bias, cols, next);
-    case 1: return block24<1>(fetch, x, K, w, y, N, bias, cols, next);
+    case 3: return block24<3>(fetch, x, K, w, y, N, bias, cols, last);
+    case 2: return block24<2>(fetch, x, K, w, y, N, bias, cols, last);
+    case 1: return block24<1>(fetch, x, K, w, y, N, bias, cols, last);
     default: return;
   }
 }
