@@ -84,7 +84,7 @@ REFUSED = {
     "mamba (state-space layers)": (T.MambaConfig, dict(num_hidden_layers=2), "linear_attention"),
     "bloom (ALiBi in its own attention code)": (T.BloomConfig, dict(n_layer=2, n_head=4), NO_ATTENTION_INTERFACE),
     # transformers 5.2x routes Falcon's attention through the interface; its multi-query cache then fails the
-    # engine's warmup (one KV head against the config's num_kv_heads), which refuses it at start all the same
+    # engine's warmup (multi_query: one KV head against the config's num_key_value_heads), refused at start still
     "falcon (its own attention code)": (T.FalconConfig, dict(head_dim=None),
                                         f"{NO_ATTENTION_INTERFACE}|FalconForCausalLM failed its warmup request"),
     "mpt (ALiBi in its own attention code)": (T.MptConfig, dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=256),
