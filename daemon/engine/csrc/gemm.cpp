@@ -74,18 +74,32 @@ constexpr int64_t kAheadRows = 16;
 
 // The part of the next panel that a row block fetches into L2 as it computes: one k-row (row, advanced by a
 // panel row each time) every `every` k-steps while row < end.
-struct Slice24 {
-  const float* row = nullptr;
-  const float* end = nullptr;
+template <typename W>
+struct NextSlice {
+  const W* row = nullptr;
+  const W* end = nullptr;
   int every = 1;
   int countdown = 1;
 };
+
+// Row block b's slice of `next` (a panel of K k-rows of `row` elements) among `blocks` blocks: k-rows
+// [b K / blocks, (b + 1) K / blocks), one every `blocks` k-steps; empty where there is no next panel.
+template <typename W>
+NextSlice<W> next_slice(const W* next, int64_t K, int64_t row, int64_t b, int64_t blocks) {
+  NextSlice<W> s{};
+  if (next != nullptr) {
+    s.row = next + b * K / blocks * row;
+    s.end = next + (b + 1) * K / blocks * row;
+    s.every = s.countdown = static_cast<int>(blocks);
+  }
+  return s;
+}
 
 #if defined(__AVX2__) && defined(__FMA__)
 
 template <int MR, int FETCH>
 inline void microkernel24(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy,
-                          const float* bias, int64_t cols, Slice24 next) {
+                          const float* bias, int64_t cols, NextSlice<float> next) {
   constexpr int V = kPanelAvx2 / 8;  // registers across a panel row
   __m256 acc[MR][V];
 #pragma GCC unroll 8
@@ -133,7 +147,7 @@ inline void microkernel24(const float* x, int64_t ldx, const float* w, int64_t K
 
 template <int MR, int FETCH>
 inline void microkernel24(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy,
-                          const float* bias, int64_t cols, Slice24 /*next*/) {
+                          const float* bias, int64_t cols, NextSlice<float> /*next*/) {
   float acc[MR][kPanelAvx2] = {};
   for (int64_t k = 0; k < K; ++k)
     for (int r = 0; r < MR; ++r)
@@ -146,7 +160,7 @@ inline void microkernel24(const float* x, int64_t ldx, const float* w, int64_t K
 
 template <int MR>
 void block24(int fetch, const float* x, int64_t K, const float* w, float* y, int64_t N, const float* bias,
-             int64_t cols, Slice24 next) {
+             int64_t cols, NextSlice<float> next) {
   switch (fetch) {
     case 0: return microkernel24<MR, 0>(x, K, w, K, y, N, bias, cols, next);
     case kFetchAhead: return microkernel24<MR, kFetchAhead>(x, K, w, K, y, N, bias, cols, next);
@@ -162,22 +176,14 @@ void panel24(int64_t rows, const float* x, int64_t K, const float* w, float* y, 
              int64_t cols, const float* next) {
   static_assert(kRowsAvx2 == 4, "the tail below covers 1 to 3 rows");
   const int64_t blocks = (rows + kRowsAvx2 - 1) / kRowsAvx2;
-  const auto slice = [&](int64_t b) {
-    Slice24 s{};
-    if (next != nullptr) {
-      s.row = next + b * K / blocks * kPanelAvx2;
-      s.end = next + (b + 1) * K / blocks * kPanelAvx2;
-      s.every = s.countdown = static_cast<int>(blocks);
-    }
-    return s;
-  };
+  const auto slice = [&](int64_t b) { return next_slice(next, K, kPanelAvx2, b, blocks); };
   const int with_next = next != nullptr ? kFetchNext : 0;
   int64_t m = 0;
   for (; m + kRowsAvx2 <= rows; m += kRowsAvx2)
     block24<kRowsAvx2>((m == 0 ? kFetchAhead : 0) | with_next, x + m * K, K, w, y + m * N, N, bias, cols,
                        slice(m / kRowsAvx2));
   const int fetch = (m == 0 ? kFetchAhead : 0) | with_next;
-  const Slice24 last = slice(m / kRowsAvx2);
+  const NextSlice<float> last = slice(m / kRowsAvx2);
   x += m * K, y += m * N;
   switch (rows - m) {
     case 3: return block24<3>(fetch, x, K, w, y, N, bias, cols, last);
@@ -199,15 +205,6 @@ void panel24(int64_t rows, const float* x, int64_t K, const float* w, float* y, 
 // - Bf16Pairs: bfloat16 weights packed as pairs of consecutive k (48 columns x 2 per k-step) and bfloat16 x, by
 //   AVX512_BF16's VDPBF16PS (acc += x[2k] w[2k] + x[2k+1] w[2k+1] per column, float32 accumulation): twice the
 //   products per instruction of the float32 FMA, for the prompt chunks' compute-bound GEMMs.
-// The part of the next panel that a row block fetches into L2 as it computes: one k-row (row, advanced by a
-// panel row each time) every `every` k-steps while row < end.
-template <typename W>
-struct NextSlice {
-  const W* row = nullptr;
-  const W* end = nullptr;
-  int every = 1;
-  int countdown = 1;
-};
 
 struct Float32 {
   using W = float;
@@ -328,15 +325,7 @@ RINGSTREAM_AVX512 void panel48(int64_t rows, const typename S::X* x, int64_t ldx
   static_assert(kRowsAvx512 == 8, "the tail below covers 1 to 7 rows");
   constexpr int64_t R = S::kRow;
   const int64_t blocks = (rows + kRowsAvx512 - 1) / kRowsAvx512;
-  const auto slice = [&](int64_t b) {
-    NextSlice<typename S::W> s{};
-    if (next != nullptr) {
-      s.row = next + b * K / blocks * R;
-      s.end = next + (b + 1) * K / blocks * R;
-      s.every = s.countdown = static_cast<int>(blocks);
-    }
-    return s;
-  };
+  const auto slice = [&](int64_t b) { return next_slice(next, K, R, b, blocks); };
   const int with_next = next != nullptr ? kFetchNext : 0;
   int64_t m = 0;
   for (; m + kRowsAvx512 <= rows; m += kRowsAvx512)
