@@ -97,12 +97,13 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     measured cost of a prompt token on the worker's device, so decoding streams stall about this long at most
     while a long prompt prefills; ``max_num_batched_tokens`` stays the upper bound. Unset: 50 on CPU and on a
     GPU; 0: the token budget alone."""
-    prefill_burst_ratio: float = ENGINE_DEFAULTS.prefill_burst_ratio
-    """When the requests with prompts still to compute number at least this many times the decoding ones, a step
-    takes prompt tokens up to ``max_num_batched_tokens`` regardless of ``max_step_ms``: a burst of arrivals is
-    prefilled in a few large steps and then decodes together with no prompt chunks between its tokens (lower
-    TPOT), paying with its TTFT and one long step for the streams already decoding. 0: off (every step bounded
-    by ``max_step_ms``); 1.0: a burst when prompts to compute are at least as many as the decoding streams."""
+    prefill_burst_ratio: float | None = ENGINE_DEFAULTS.prefill_burst_ratio
+    """When the requests with prompts still to compute number at least this many times the decoding ones (and at
+    least two), a step takes prompt tokens up to ``max_num_batched_tokens`` regardless of ``max_step_ms``: a burst
+    of arrivals is prefilled in a few large steps and then decodes together with no prompt chunks between its
+    tokens (lower TPOT), paying with its TTFT and long steps for the streams already decoding. Unset: 0.5 on CPU
+    (a burst when prompts are at least half as many as the decoding streams), off on a GPU; 0: off (every step
+    bounded by ``max_step_ms``)."""
     queue_size: int = 10_000
     """Requests waiting at most (all workers); a request beyond it gets ``QUEUE_FULL`` at once."""
     client_timeout_s: float = 10.0

@@ -45,13 +45,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     cost of a prompt token on the worker's device (:mod:`ringstream.daemon.engine.step_budget`), within
     ``max_num_batched_tokens``. None: the device's default (50 ms on CPU and on an accelerator); 0: the token
     budget alone."""
-    prefill_burst_ratio: float = 0.0
+    prefill_burst_ratio: float | None = None
     """When the requests with prompts still to compute (that the batch can take) number at least this many times
-    the decoding ones, a step's prompt tokens are bounded by ``max_num_batched_tokens`` alone, not by
-    ``max_step_ms``: a burst of arrivals is prefilled in a few large steps and its streams then decode together,
-    with no prompt chunks between their tokens (a lower TPOT), at the cost of their first tokens (TTFT) and of
-    one long step for the streams already decoding. 0: off, every step with a prompt chunk is bounded by
-    ``max_step_ms``."""
+    the decoding ones, and at least two, a step's prompt tokens are bounded by ``max_num_batched_tokens`` alone,
+    not by ``max_step_ms``: a burst of arrivals is prefilled in a few large steps and its streams then decode
+    together, with no prompt chunks between their tokens (a lower TPOT), at the cost of their first tokens (TTFT)
+    and of long steps for the streams already decoding. None: the device's default (0.5 on CPU, off on an
+    accelerator: :func:`ringstream.daemon.engine.step_budget.default_prefill_burst_ratio`); 0: off, every step
+    with a prompt chunk is bounded by ``max_step_ms``."""
     block_size: int = 16
     """Token positions per KV-cache block."""
     num_blocks: int | None = None
@@ -91,8 +92,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         if self.max_step_ms is not None and not 0 <= self.max_step_ms < math.inf:
             raise ValueError(f"max_step_ms = {self.max_step_ms}: must be >= 0 milliseconds (0: off) and finite, "
                              "or unset")
-        if not 0 <= self.prefill_burst_ratio < math.inf:
-            raise ValueError(f"prefill_burst_ratio = {self.prefill_burst_ratio}: must be >= 0 and finite (0: off)")
+        if self.prefill_burst_ratio is not None and not 0 <= self.prefill_burst_ratio < math.inf:
+            raise ValueError(f"prefill_burst_ratio = {self.prefill_burst_ratio}: must be >= 0 and finite (0: off), "
+                             "or unset")
         if self.threads < 0:
             raise ValueError(f"threads = {self.threads}: must be >= 0")
         if not self.synthetic_step_s >= 0:

@@ -64,24 +64,13 @@ from ringstream.daemon.engine.attention import use_paged_attention
 from ringstream.daemon.engine.block_manager import BlockManager
 from ringstream.daemon.engine.structured import GrammarCompiler
 from ringstream.daemon.engine.detokenizer import IncrementalDetokenizer
-from ringstream.daemon.engine.interface import (
-    ENGINE_DEFAULTS,
-    EngineConfig,
-    EngineStats,
-    GREEDY_TEMPERATURE_EPS,
-    BaseEngine,
-    CapacityError,
-    EngineError,
-    EngineRequest,
-    PromptTooLong,
-    RequestError,
-    SamplingParams,
-    TokenOutput,
-    check_request,
-)
+from ringstream.daemon.engine.interface import (ENGINE_DEFAULTS, GREEDY_TEMPERATURE_EPS, BaseEngine, CapacityError,
+                                                EngineConfig, EngineError, EngineRequest, EngineStats, PromptTooLong,
+                                                RequestError, SamplingParams, TokenOutput, check_request)
 from ringstream.daemon.engine.checks import check_against_model, check_model, ignored_generation_defaults, kv_layout
 from ringstream.daemon.engine.scheduler import SequenceState, StepScheduler
-from ringstream.daemon.engine.step_budget import StepBudget, default_max_step_ms, default_min_chunk_tokens
+from ringstream.daemon.engine.step_budget import (StepBudget, default_max_step_ms, default_min_chunk_tokens,
+                                                  default_prefill_burst_ratio)
 from ringstream.daemon.common.model_dir import ModelRefused
 from ringstream.daemon.engine.rope import check_batch_independent, fix_rope_frequencies
 from ringstream.daemon.engine.kernels import native_ops
@@ -170,8 +159,11 @@ class Engine(BaseEngine):
         self._budget = (StepBudget(max_step_ms, config.max_num_batched_tokens,
                                    default_min_chunk_tokens(self.device.type)) if max_step_ms > 0 else None)
         self._scheduler.chunk_limit = self._budget.chunk_tokens if self._budget is not None else None
-        self._scheduler.burst_ratio = config.prefill_burst_ratio
-        if config.prefill_burst_ratio and self._budget is None:
+        burst_ratio = config.prefill_burst_ratio
+        if burst_ratio is None:
+            burst_ratio = default_prefill_burst_ratio(self.device.type) if self._budget is not None else 0.0
+        self._scheduler.burst_ratio = burst_ratio
+        if burst_ratio and self._budget is None:
             log.warning("prefill_burst_ratio has no effect with max_step_ms = 0: no time bound to lift")
         self._next_seq_id = 0
         self._warmup_failure = ""

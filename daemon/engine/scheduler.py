@@ -42,12 +42,15 @@ if TYPE_CHECKING:
     from ringstream.daemon.engine.detokenizer import IncrementalDetokenizer
     from ringstream.ipc.wire import TokenLogprob
 
-__all__ = ["WATERMARK_FRACTION", "SequenceState", "StepScheduler"]
+__all__ = ["MIN_BURST_PROMPTS", "WATERMARK_FRACTION", "SequenceState", "StepScheduler"]
 
 log = logging.getLogger("ringstream.engine")
 
 WATERMARK_FRACTION = 0.01
 """Admission leaves this fraction of the blocks free for running decodes (vLLM v0's watermark)."""
+MIN_BURST_PROMPTS = 2
+"""Fewest prompts to compute that make a prefill burst beside decoding streams: a burst is a cohort of arrivals,
+and a lone long prompt beside a few streams would otherwise stall them for whole token-budget steps."""
 
 
 @dataclass(slots=True, eq=False)
@@ -237,13 +240,14 @@ class StepScheduler:
     def _burst(self, decodes: int) -> bool:
         """Whether this step is a prefill burst: the sequences with prompt tokens still to compute that the batch
         can take (running ones in prefill, and waiting ones up to ``max_num_seqs``) number at least
-        ``burst_ratio`` times ``decodes``, the step's decode rows (TGI's ``waiting_served_ratio`` test, applied
-        to the size of the step rather than to when a prefill starts)."""
+        ``burst_ratio`` times ``decodes``, the step's decode rows, and at least :data:`MIN_BURST_PROMPTS` where
+        there are decode rows (TGI's ``waiting_served_ratio`` test, applied to the size of the step rather than to
+        when a prefill starts)."""
         if not self.burst_ratio:
             return False
         admissible = min(len(self.waiting), self.max_num_seqs - len(self.running))
         prompts = len(self.running) - decodes + max(0, admissible)
-        return prompts > 0 and prompts >= self.burst_ratio * decodes
+        return prompts >= (max(MIN_BURST_PROMPTS, self.burst_ratio * decodes) if decodes else 1)
 
     def _next_chunk_start(self) -> int:
         """Where the step's first prompt chunk starts in its prompt: the first running sequence still in prefill,

@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["ACCELERATOR_MAX_STEP_MS", "CPU_MAX_STEP_MS", "CPU_MIN_CHUNK_TOKENS", "MIN_CHUNK_TOKENS", "StepBudget",
-           "chunk_pairs", "default_max_step_ms", "default_min_chunk_tokens"]
+__all__ = ["ACCELERATOR_MAX_STEP_MS", "CPU_MAX_STEP_MS", "CPU_MIN_CHUNK_TOKENS", "CPU_PREFILL_BURST_RATIO",
+           "MIN_CHUNK_TOKENS", "StepBudget", "chunk_pairs", "default_max_step_ms", "default_min_chunk_tokens",
+           "default_prefill_burst_ratio"]
 
 CPU_MAX_STEP_MS = 50.0
 """Default target of a step with a prompt chunk on CPU, milliseconds: a 4,096-token prompt's chunks then stall 16
@@ -50,6 +51,17 @@ that the batch runs short of decoding streams (about 9 of 16). The float32 prefi
 (``bench_closed_loop --workloads prefill``): 161-173 tok/s at TTFT p50 1.2-5.6 s with 16, 218 at 0.62 s with 64,
 219 at 0.45 s with 128; TPOT p50 52-83 ms with any of them. Where the target leaves more (the AVX-512 host's
 ~100-token chunks at 16 streams) the floor changes nothing."""
+CPU_PREFILL_BURST_RATIO = 0.5
+"""Default ``prefill_burst_ratio`` on CPU: a step takes the token budget whole when the prompts to compute are at
+least half as many as the decoding streams (and at least two). On CPU a prompt token costs about as much as a
+decode row (the linears are compute-bound from ~16 rows on), so a cohort of arrivals prefilled under the time
+bound is spread over many steps, and each of its streams then carries the others' chunks between its tokens. The
+float32 prefill-heavy closed loop on a 2-core AVX2 EPYC (``bench_closed_loop --threads 2 --workloads prefill
+--setting prefill_burst_ratio=R``, alternating, two rounds): off 255.4 / 231.8 tok/s, TTFT p50 440 / 447 ms,
+TPOT p50 56.4 / 58.9 ms; 0.5: 255.5 / 285.6 tok/s, 1,983 / 1,857 ms, 44.5 / 41.4 ms; 1.0: 231.9 / 226.9, 2,375 /
+2,308 ms, 47.5 / 48.3 ms; 1.2 (TGI's ``waiting_served_ratio``): no burst at this cohort size, as off. A lone
+prompt beside decoding streams is never a burst (:data:`ringstream.daemon.engine.scheduler.MIN_BURST_PROMPTS`),
+so a long prompt's stall stays bounded by the time budget. Off on an accelerator: not measured there."""
 SMOOTHING = 0.2
 """Weight of the newest step in the moving estimates (they follow about the last five steps)."""
 ROW_PAIRS = 512
@@ -62,6 +74,11 @@ the model's width and depth alike; a pair cost ~1/630 of a row on two CPU cores 
 def default_max_step_ms(device_type: str) -> float:
     """The target for a device type (``"cpu"``, ``"cuda"``, ...), milliseconds."""
     return CPU_MAX_STEP_MS if device_type == "cpu" else ACCELERATOR_MAX_STEP_MS
+
+
+def default_prefill_burst_ratio(device_type: str) -> float:
+    """The ``prefill_burst_ratio`` for a device type when the setting is unset (0: off)."""
+    return CPU_PREFILL_BURST_RATIO if device_type == "cpu" else 0.0
 
 
 def default_min_chunk_tokens(device_type: str) -> int:

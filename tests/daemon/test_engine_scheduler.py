@@ -124,10 +124,10 @@ def test_a_prefill_burst_takes_the_token_budget_when_prompts_outnumber_decodes()
     sched.add(make_seq(range(2), handle=1))
     assert step(sched)[0] == {1: 2}  # no decodes yet: one prompt is a burst, the token budget bounds it
     sched.add(make_seq(range(20), handle=2))
-    assert step(sched)[0] == {1: 1, 2: 20}  # one prompt beside one decode: 1 >= 1.0 x 1
+    assert step(sched)[0] == {1: 1, 2: 3}  # a lone prompt beside a decode is no burst (1 >= 1.0 x 1 but < 2)
     for handle in (3, 4):
         sched.add(make_seq(range(20), handle=handle))
-    assert step(sched)[0] == {1: 1, 2: 1, 3: 20, 4: 20}  # two prompts, two decodes
+    assert step(sched)[0] == {1: 1, 2: 17, 3: 20, 4: 20}  # three prompts beside one decode: a burst
     sched.burst_ratio = 2.0
     sched.add(make_seq(range(20), handle=5))  # waits: the batch is full (max_num_seqs 4), so it is not counted
     assert step(sched)[0] == {1: 1, 2: 1, 3: 1, 4: 1}

@@ -184,6 +184,24 @@ def test_the_burst_ratio_setting_reaches_the_scheduler(tmp_path, caplog):
     assert "prefill_burst_ratio has no effect with max_step_ms = 0" in caplog.text  # no time bound to lift
 
 
+def test_the_burst_ratio_defaults_to_the_devices_and_zero_turns_it_off(tmp_path, caplog):
+    from ringstream.daemon.common.config import Config
+    from ringstream.daemon.engine.engine import Engine
+    from ringstream.daemon.engine.step_budget import CPU_PREFILL_BURST_RATIO, default_prefill_burst_ratio
+    from tests.factories import load_model, load_tokenizer, make_tiny_model_dir
+
+    assert (default_prefill_burst_ratio("cpu"), default_prefill_burst_ratio("cuda")) == (CPU_PREFILL_BURST_RATIO, 0)
+    assert EngineConfig().check().prefill_burst_ratio is None and Config().prefill_burst_ratio is None
+    model_dir = make_tiny_model_dir(tmp_path)
+    ratios = {}
+    for name, settings in {"unset": {}, "off": {"prefill_burst_ratio": 0.0}, "untimed": {"max_step_ms": 0}}.items():
+        config = EngineConfig.from_settings(Config(**settings), num_blocks=32, max_num_seqs=2,
+                                            max_num_batched_tokens=8)
+        ratios[name] = Engine(load_model(model_dir), load_tokenizer(model_dir), config)._scheduler.burst_ratio
+    assert ratios == {"unset": CPU_PREFILL_BURST_RATIO, "off": 0, "untimed": 0}
+    assert "no effect" not in caplog.text  # the default says nothing where there is no time bound to lift
+
+
 def test_a_step_is_observed_from_its_schedule():
     # a decode row (its last known token), a prompt's first chunk and a later chunk, as the engine schedules them
     from dataclasses import dataclass
