@@ -1,4 +1,4 @@
-"""Linear layers with their weights packed once (CPU; float32, and bfloat16 on AVX-512 hosts), as vLLM's CPU
+"""Linear layers with their weights packed once (CPU; float32 and bfloat16), as vLLM's CPU
 path does.
 
 ``torch.nn.Linear`` on CPU calls the BLAS ``sgemm`` with the weight in its stored layout at every call. A weight
@@ -13,7 +13,8 @@ shares them (tied embeddings keep working) and are released otherwise. Two packi
   oneDNN's packed matmul and 27.9 for ``F.linear``; on par with oneDNN at 256 rows. On a 2-core AMD EPYC (AVX2),
   the AVX2 kernel: 1.4-1.8x oneDNN at 16 rows, on par at 128-1,024 rows (``tools/bench_engine.py`` and
   ``ringstream-bench vllm`` give the engine-level figures). A bfloat16 weight is packed as bfloat16: in pairs of
-  k for AVX512_BF16's ``VDPBF16PS`` where the host has it, else widened to float32 as it is read; on a 2-core
+  k for AVX512_BF16's ``VDPBF16PS`` where the host has it, else widened to float32 as it is read (by the AVX-512
+  kernel, or the AVX2 kernel on hosts without AVX-512); on a 2-core
   AMD EPYC (AVX512_BF16) over a decode step's weights (157 MB), 16 rows: 4.4 ms against 5.1 for oneDNN's packed
   matmul and 11.8 for ``F.linear``, on par with oneDNN at 256 rows;
 - oneDNN (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, the weight reordered into its
@@ -61,8 +62,8 @@ class LinearKernel:
 
     ``LinearKernel.native(ops)`` uses the engine's kernel (``ops`` is ``torch.ops.ringstream`` with it loaded),
     ``LinearKernel.onednn()`` PyTorch's oneDNN ops. ``dtypes``: the weight dtypes it packs (float32; bfloat16 too
-    for the engine's kernel on an AVX-512 host, whose bfloat16 weights stream half the bytes and compute in
-    float32, rounded to bfloat16 once per output).
+    for the engine's kernel, whose bfloat16 weights stream half the bytes and compute in float32, rounded to
+    bfloat16 once per output).
     """
 
     def __init__(self, name: str, pack: Callable, apply: Callable,
@@ -75,7 +76,7 @@ class LinearKernel:
             refuse_autograd(x, bias)
             return ops.packed_linear(x, packed, bias, n)
 
-        try:  # bfloat16 weights: on hosts with AVX-512 (48-column panels), computed in float32
+        try:  # bfloat16 weights (widened or paired by the host's kernel), computed in float32
             ops.pack_linear_weight(torch.zeros(1, 1, dtype=torch.bfloat16))
             dtypes = (torch.float32, torch.bfloat16)
         except RuntimeError:

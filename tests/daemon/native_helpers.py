@@ -60,10 +60,10 @@ def greedy_outputs(model, tokenizer, native: bool, before_run=None) -> dict[int,
 
 
 def bf16_layouts(ops) -> list[int]:
-    """The bfloat16 panel layouts this host runs: 48 (widened to float32) on AVX-512 hosts, 96 (k-pairs for
-    VDPBF16PS) where it also has AVX512_BF16."""
+    """The bfloat16 panel layouts this host runs: 24 (widened to float32 by the AVX2 kernel) everywhere, 48
+    (widened, AVX-512) on AVX-512 hosts, 96 (k-pairs for VDPBF16PS) where it also has AVX512_BF16."""
     layouts = []
-    for panel in (48, 96):
+    for panel in (24, 48, 96):
         try:
             ops.pack_linear_weight(torch.zeros(1, 2, dtype=torch.bfloat16), panel)
             layouts.append(panel)

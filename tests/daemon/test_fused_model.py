@@ -10,7 +10,7 @@ from torch import nn
 from ringstream.daemon.engine.fused import _source_tokens, _transformers_own, fuse_attention, fuse_elementwise
 from ringstream.daemon.engine.fused_model import FusedCausalLM, fuse_model
 from ringstream.daemon.engine.linear import pack_linears
-from tests.daemon.native_helpers import (bf16_layouts, greedy_outputs, native_ops_or_skip,  # noqa: F401 (fixture)
+from tests.daemon.native_helpers import (greedy_outputs, native_ops_or_skip,  # noqa: F401 (fixture)
                                          tiny, tiny_family_model)
 from tests.factories import load_model
 
@@ -132,8 +132,6 @@ def test_the_code_check_sees_block_structure_and_wrappers():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_engine_steps_take_the_loop_with_logits_bit_identical_to_the_models_forward(ops, tiny, dtype):  # noqa: F811
-    if dtype == torch.bfloat16 and not bf16_layouts(ops):
-        pytest.skip("bfloat16 weights need AVX-512 (without it the projections stay unpacked and unfused)")
     model_dir, tokenizer = tiny
     model = load_model(model_dir).to(dtype)
     torch.manual_seed(0)

@@ -1,10 +1,11 @@
 // Float32 and bfloat16 linear layers over a weight packed once into column panels (CPU), registered as
 // torch.ops.ringstream.pack_linear_weight and torch.ops.ringstream.packed_linear.
 //
-// bfloat16 (AVX-512 hosts): the weight stays bfloat16 in its panels, so a decode step streams half the bytes;
-// each output is a float32 sum of exact products, rounded to bfloat16 once. Where the host has AVX512_BF16 the
-// panel holds pairs of consecutive k per column and VDPBF16PS multiplies two pairs per lane (twice the float32
-// FMA's products per instruction); elsewhere the weights are widened to float32 as they load (see Bf16Widened).
+// bfloat16: the weight stays bfloat16 in its panels, so a decode step streams half the bytes; each output is a
+// float32 sum of exact products, rounded to bfloat16 once. Where the host has AVX512_BF16 the panel holds pairs
+// of consecutive k per column and VDPBF16PS multiplies two pairs per lane (twice the float32 FMA's products per
+// instruction); elsewhere the weights are widened to float32 as they load (Bf16Widened on AVX-512 hosts, the
+// 24-column AVX2 kernel's widening load elsewhere), so every host gives the same sums.
 // 2-core AMD EPYC (AVX512_BF16), 2 threads, a decode step's weights of the 82M Llama (157 MB): 4.4 ms at 16 rows
 // (35 GB/s) against 5.1 for oneDNN's packed bfloat16 matmul and 11.8 for F.linear; 46.7 ms at 256 rows, oneDNN
 // 44.6.
@@ -97,9 +98,28 @@ NextSlice<W> next_slice(const W* next, int64_t K, int64_t row, int64_t b, int64_
 
 #if defined(__AVX2__) && defined(__FMA__)
 
-template <int MR, int FETCH>
-inline void microkernel24(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy,
-                          const float* bias, int64_t cols, NextSlice<float> next) {
+// Eight weights as float32: loaded, or bfloat16 widened (the top half of a float32: exact).
+inline __m256 load_weights8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_weights8(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// Both cache lines that a k-row of a 24-column panel (96 bytes of float32, 48 of bfloat16) can touch: its first
+// and its last byte.
+template <typename W>
+inline void prefetch_panel_row(const W* row, int hint) {
+  const char* c = reinterpret_cast<const char*>(row);
+  if (hint == _MM_HINT_T0) {
+    _mm_prefetch(c, _MM_HINT_T0), _mm_prefetch(c + kPanelAvx2 * sizeof(W) - 1, _MM_HINT_T0);
+  } else {
+    _mm_prefetch(c, _MM_HINT_T1), _mm_prefetch(c + kPanelAvx2 * sizeof(W) - 1, _MM_HINT_T1);
+  }
+}
+
+template <int MR, int FETCH, typename W>
+inline void microkernel24(const float* x, int64_t ldx, const W* w, int64_t K, float* y, int64_t ldy,
+                          const float* bias, int64_t cols, NextSlice<W> next) {
   constexpr int V = kPanelAvx2 / 8;  // registers across a panel row
   __m256 acc[MR][V];
 #pragma GCC unroll 8
@@ -109,19 +129,12 @@ inline void microkernel24(const float* x, int64_t ldx, const float* w, int64_t K
   for (int64_t k = 0; k < K; ++k) {
     __m256 wv[V];
 #pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) wv[v] = _mm256_loadu_ps(w + k * kPanelAvx2 + 8 * v);
-    // a k-row of a 24-column panel is 96 bytes: its two cache lines at offsets 0 and 64
-    if constexpr ((FETCH & kFetchAhead) != 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (k + kAheadRows) * kPanelAvx2), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + (k + kAheadRows) * kPanelAvx2 + 16), _MM_HINT_T0);
-    }
+    for (int v = 0; v < V; ++v) wv[v] = load_weights8(w + k * kPanelAvx2 + 8 * v);
+    if constexpr ((FETCH & kFetchAhead) != 0) prefetch_panel_row(w + (k + kAheadRows) * kPanelAvx2, _MM_HINT_T0);
     if constexpr ((FETCH & kFetchNext) != 0) {
       if (--next.countdown == 0) {  // one k-row of this block's slice of the next panel every `every` k-steps
         next.countdown = next.every;
-        if (next.row < next.end) {
-          _mm_prefetch(reinterpret_cast<const char*>(next.row), _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(next.row + 16), _MM_HINT_T1);
-        }
+        if (next.row < next.end) prefetch_panel_row(next.row, _MM_HINT_T1);
         next.row += kPanelAvx2;
       }
     }
@@ -145,22 +158,23 @@ inline void microkernel24(const float* x, int64_t ldx, const float* w, int64_t K
 
 #else
 
-template <int MR, int FETCH>
-inline void microkernel24(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy,
-                          const float* bias, int64_t cols, NextSlice<float> /*next*/) {
+template <int MR, int FETCH, typename W>
+inline void microkernel24(const float* x, int64_t ldx, const W* w, int64_t K, float* y, int64_t ldy,
+                          const float* bias, int64_t cols, NextSlice<W> /*next*/) {
   float acc[MR][kPanelAvx2] = {};
   for (int64_t k = 0; k < K; ++k)
     for (int r = 0; r < MR; ++r)
-      for (int64_t j = 0; j < kPanelAvx2; ++j) acc[r][j] += x[r * ldx + k] * w[k * kPanelAvx2 + j];
+      for (int64_t j = 0; j < kPanelAvx2; ++j)
+        acc[r][j] += x[r * ldx + k] * static_cast<float>(w[k * kPanelAvx2 + j]);
   for (int r = 0; r < MR; ++r)
     for (int64_t j = 0; j < cols; ++j) y[r * ldy + j] = acc[r][j] + (bias ? bias[j] : 0.0f);
 }
 
 #endif
 
-template <int MR>
-void block24(int fetch, const float* x, int64_t K, const float* w, float* y, int64_t N, const float* bias,
-             int64_t cols, NextSlice<float> next) {
+template <int MR, typename W>
+void block24(int fetch, const float* x, int64_t K, const W* w, float* y, int64_t N, const float* bias,
+             int64_t cols, NextSlice<W> next) {
   switch (fetch) {
     case 0: return microkernel24<MR, 0>(x, K, w, K, y, N, bias, cols, next);
     case kFetchAhead: return microkernel24<MR, kFetchAhead>(x, K, w, K, y, N, bias, cols, next);
@@ -171,9 +185,11 @@ void block24(int fetch, const float* x, int64_t K, const float* w, float* y, int
 
 // rows [0, rows) of x [rows, K] (row stride K) times one panel -> y (row stride N), cols of the panel's columns;
 // next: the panel this task computes after it, or null. Each row block fetches its share of the next panel into
-// L2 (block b of nb: k-rows [b K / nb, (b + 1) K / nb), one every nb k-steps), as panel48's do.
-void panel24(int64_t rows, const float* x, int64_t K, const float* w, float* y, int64_t N, const float* bias,
-             int64_t cols, const float* next) {
+// L2 (block b of nb: k-rows [b K / nb, (b + 1) K / nb), one every nb k-steps), as panel48's do. W: float32, or
+// bfloat16 widened as it loads.
+template <typename W>
+void panel24(int64_t rows, const float* x, int64_t K, const W* w, float* y, int64_t N, const float* bias,
+             int64_t cols, const W* next) {
   static_assert(kRowsAvx2 == 4, "the tail below covers 1 to 3 rows");
   const int64_t blocks = (rows + kRowsAvx2 - 1) / kRowsAvx2;
   const auto slice = [&](int64_t b) { return next_slice(next, K, kPanelAvx2, b, blocks); };
@@ -183,7 +199,7 @@ void panel24(int64_t rows, const float* x, int64_t K, const float* w, float* y, 
     block24<kRowsAvx2>((m == 0 ? kFetchAhead : 0) | with_next, x + m * K, K, w, y + m * N, N, bias, cols,
                        slice(m / kRowsAvx2));
   const int fetch = (m == 0 ? kFetchAhead : 0) | with_next;
-  const NextSlice<float> last = slice(m / kRowsAvx2);
+  const NextSlice<W> last = slice(m / kRowsAvx2);
   x += m * K, y += m * N;
   switch (rows - m) {
     case 3: return block24<3>(fetch, x, K, w, y, N, bias, cols, last);
@@ -360,13 +376,12 @@ void panel48(int64_t, const typename S::X*, int64_t, const typename S::W*, int64
 
 #endif
 
-// panel: 24 or 48 columns (float32 or widened bfloat16), or kPairPanel (bfloat16 k-pairs of 48 columns).
+// panel: 24 or 48 columns (float32, or bfloat16 widened as it loads), or kPairPanel (bfloat16 k-pairs of 48
+// columns).
 void check_panel(int64_t panel, bool bf16, const char* op) {
   TORCH_CHECK(panel == kPanelAvx2 || panel == kPanelAvx512 || panel == kPairPanel, op, ": panels are ", kPanelAvx2,
               " or ", kPanelAvx512, " columns wide (", kPairPanel, ": bfloat16 pairs of ", kPanelAvx512, "), got ",
               panel);
-  TORCH_CHECK(!bf16 || panel != kPanelAvx2, op, ": a bfloat16 weight needs ", kPanelAvx512,
-              "-column panels (AVX-512)");
   TORCH_CHECK(bf16 || panel != kPairPanel, op, ": ", kPairPanel, "-wide panels hold bfloat16 weights only");
   TORCH_CHECK(panel == kPanelAvx2 || host_has_avx512(), op, ": ", panel, "-wide panels need AVX-512, which this CPU ",
               "does not have");
@@ -390,7 +405,7 @@ void pack_panels(const at::Tensor& w, at::Tensor& packed, int64_t C, int64_t G) 
 
 // weight [N, K] -> panels [ceil(N / C), S, P]: float32 as 24- or 48-column panels (P = C, S = K); bfloat16 as
 // 48-column panels of k-pairs where the host has AVX512_BF16 and K is even (P = 96, S = K / 2), else widened as
-// it is read (P = 48, S = K; AVX-512 hosts only). panel 0: the host's best for the weight's dtype and shape.
+// it is read (P = 48 on AVX-512 hosts, 24 elsewhere; S = K). panel 0: the host's best for the dtype and shape.
 at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t panel) {
   TORCH_CHECK(weight.dim() == 2, "pack_linear_weight: weight must be [out_features, in_features], got ",
               weight.sizes());
@@ -400,7 +415,7 @@ at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t panel) {
   const int64_t K = weight.size(1);
   const int64_t P = panel != 0 ? panel
                     : !bf16 ? host_panel()
-                    : host_has_avx512_bf16() && K % 2 == 0 ? kPairPanel : kPanelAvx512;
+                    : host_has_avx512_bf16() && K % 2 == 0 ? kPairPanel : host_panel();
   check_panel(P, bf16, "pack_linear_weight");
   // pairs of an even K only: the packed shape then says K exactly (an odd one would be ambiguous with K + 1)
   TORCH_CHECK(P != kPairPanel || K % 2 == 0, "pack_linear_weight: bfloat16 pair panels need an even in_features, "
@@ -491,10 +506,17 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed, cons
     return out;
   }
   float* yp = out.data_ptr<float>();
-  if (bf16) {
+  if (bf16 && P == kPanelAvx512) {
     const at::Tensor x = input.to(at::kFloat).contiguous();
     run_panels(x.data_ptr<float>(), K, packed.data_ptr<c10::BFloat16>(), S, P, C, yp, b, M, N, panels,
                panel48<Bf16Widened>);
+  } else if (bf16) {
+    const at::Tensor x = input.to(at::kFloat).contiguous();
+    run_panels(x.data_ptr<float>(), K, packed.data_ptr<c10::BFloat16>(), S, P, C, yp, b, M, N, panels,
+               [](int64_t rows, const float* xr, int64_t, const c10::BFloat16* w, int64_t k, float* y, int64_t ldy,
+                  const float* bias, int64_t cols, const c10::BFloat16* next) {
+                 panel24(rows, xr, k, w, y, ldy, bias, cols, next);
+               });
   } else if (P == kPanelAvx512) {
     const at::Tensor x = input.contiguous();
     run_panels(x.data_ptr<float>(), K, packed.data_ptr<float>(), S, P, C, yp, b, M, N, panels, panel48<Float32>);
