@@ -127,7 +127,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     worker_threads: int = 0
     """torch intra-op threads per CPU worker; 0 = the host's cores divided among the CPU workers."""
     native_kernels: bool = ENGINE_DEFAULTS.native_kernels
-    """On CPU workers: the native kernels (decode attention, prompt-chunk attention on AVX-512 hosts, float32 GEMM over packed weights with fused q/k/v and
+    """On CPU workers: the native kernels (decode attention, prompt-chunk attention on AVX-512 hosts, float32 and bfloat16 GEMM over packed weights with fused q/k/v and
     gate/up projections, RMSNorm, SiLU-and-mul; built once with the host's C++ compiler, cached under
     ``~/.cache/ringstream/kernels``; oneDNN-packed linears where they cannot be built); false: plain PyTorch
     (same tokens in float32, slower)."""
