@@ -68,8 +68,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     the paged KV pool in place (built on the first
     start with the host's C++ compiler and cached; without one the pure-torch path serves it), float32 and
     bfloat16 linear layers by the native GEMM over packed weights (q/k/v and gate/up fused; oneDNN's packed
-    matmul without the kernels), RMSNorm and SiLU-and-mul fused for Llama-exact modules. False: plain PyTorch everywhere (the
-    reference path)."""
+    matmul without the kernels), RMSNorm and SiLU-and-mul fused for Llama-exact modules. False: plain PyTorch
+    everywhere (the reference path)."""
     seed: int = 0
     """Seed of the sampling generator for requests that give none."""
     synthetic_step_s: float = 0.001

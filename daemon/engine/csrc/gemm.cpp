@@ -506,27 +506,27 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed, cons
     return out;
   }
   float* yp = out.data_ptr<float>();
-  if (bf16 && P == kPanelAvx512) {
+  // the AVX2 kernel's panel over a block of rows, for float32 or bfloat16 (widened) weights alike
+  const auto rows24 = [](int64_t rows, const float* xr, int64_t, const auto* w, int64_t k, float* y, int64_t ldy,
+                         const float* bias, int64_t cols, const auto* next) {
+    panel24(rows, xr, k, w, y, ldy, bias, cols, next);
+  };
+  if (bf16) {
     const at::Tensor x = input.to(at::kFloat).contiguous();
-    run_panels(x.data_ptr<float>(), K, packed.data_ptr<c10::BFloat16>(), S, P, C, yp, b, M, N, panels,
-               panel48<Bf16Widened>);
-  } else if (bf16) {
-    const at::Tensor x = input.to(at::kFloat).contiguous();
-    run_panels(x.data_ptr<float>(), K, packed.data_ptr<c10::BFloat16>(), S, P, C, yp, b, M, N, panels,
-               [](int64_t rows, const float* xr, int64_t, const c10::BFloat16* w, int64_t k, float* y, int64_t ldy,
-                  const float* bias, int64_t cols, const c10::BFloat16* next) {
-                 panel24(rows, xr, k, w, y, ldy, bias, cols, next);
-               });
-  } else if (P == kPanelAvx512) {
-    const at::Tensor x = input.contiguous();
-    run_panels(x.data_ptr<float>(), K, packed.data_ptr<float>(), S, P, C, yp, b, M, N, panels, panel48<Float32>);
+    const auto* w = packed.data_ptr<c10::BFloat16>();
+    if (P == kPanelAvx512) {
+      run_panels(x.data_ptr<float>(), K, w, S, P, C, yp, b, M, N, panels, panel48<Bf16Widened>);
+    } else {
+      run_panels(x.data_ptr<float>(), K, w, S, P, C, yp, b, M, N, panels, rows24);
+    }
   } else {
     const at::Tensor x = input.contiguous();
-    run_panels(x.data_ptr<float>(), K, packed.data_ptr<float>(), S, P, C, yp, b, M, N, panels,
-               [](int64_t rows, const float* xr, int64_t, const float* w, int64_t k, float* y, int64_t ldy,
-                  const float* bias, int64_t cols, const float* next) {
-                 panel24(rows, xr, k, w, y, ldy, bias, cols, next);
-               });
+    const float* w = packed.data_ptr<float>();
+    if (P == kPanelAvx512) {
+      run_panels(x.data_ptr<float>(), K, w, S, P, C, yp, b, M, N, panels, panel48<Float32>);
+    } else {
+      run_panels(x.data_ptr<float>(), K, w, S, P, C, yp, b, M, N, panels, rows24);
+    }
   }
   return result();
 }
