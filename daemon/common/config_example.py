@@ -52,6 +52,7 @@ EXAMPLES = {
     "kv_cache_bytes": "4294967296    # 4 GiB",
     "max_model_len": "4096",
     "max_step_ms": "40.0",
+    "prefill_burst_ratio": "0.0    # bursts off: every step with a prompt chunk bounded by max_step_ms",
     "queue_timeout_s": "30.0",
     "metrics_port": "9400",
     "http": '"127.0.0.1:8000"',
