@@ -25,6 +25,7 @@ does not import torch.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -49,8 +50,9 @@ log = logging.getLogger("ringstream.engine")
 WATERMARK_FRACTION = 0.01
 """Admission leaves this fraction of the blocks free for running decodes (vLLM v0's watermark)."""
 MIN_BURST_PROMPTS = 2
-"""Fewest prompts to compute that make a prefill burst beside decoding streams: a burst is a cohort of arrivals,
-and a lone long prompt beside a few streams would otherwise stall them for whole token-budget steps."""
+"""Fewest prompts to compute that make a prefill burst beside decoding streams, counting only those the step can
+take (running ones in prefill, waiting ones that admission would take now): a burst is a cohort of arrivals, and
+a lone long prompt beside a few streams would otherwise stall them for whole token-budget steps."""
 
 
 @dataclass(slots=True, eq=False)
@@ -239,15 +241,26 @@ class StepScheduler:
 
     def _burst(self, decodes: int) -> bool:
         """Whether this step is a prefill burst: the sequences with prompt tokens still to compute that the batch
-        can take (running ones in prefill, and waiting ones up to ``max_num_seqs``) number at least
-        ``burst_ratio`` times ``decodes``, the step's decode rows, and at least :data:`MIN_BURST_PROMPTS` where
-        there are decode rows (TGI's ``waiting_served_ratio`` test, applied to the size of the step rather than to
-        when a prefill starts)."""
+        can take (running ones in prefill, and the waiting ones that admission would take now: up to
+        ``max_num_seqs``, in order, while the KV cache has their blocks) number at least ``burst_ratio`` times
+        ``decodes``, the step's decode rows, and at least :data:`MIN_BURST_PROMPTS` where there are decode rows
+        (TGI's ``waiting_served_ratio`` test, applied to the size of the step rather than to when a prefill
+        starts)."""
         if not self.burst_ratio:
             return False
-        admissible = min(len(self.waiting), self.max_num_seqs - len(self.running))
-        prompts = len(self.running) - decodes + max(0, admissible)
-        return prompts >= (max(MIN_BURST_PROMPTS, self.burst_ratio * decodes) if decodes else 1)
+        prompts = len(self.running) - decodes
+        needed = max(MIN_BURST_PROMPTS, self.burst_ratio * decodes) if decodes else 1
+        # admission's own test, without prefix-cache hits (fewer counted, never more): each waiting sequence's
+        # blocks, in order, from what the watermark leaves free
+        free = self.blocks.num_free_blocks - (self.watermark if self.running else 0)
+        for seq in itertools.islice(self.waiting, max(0, self.max_num_seqs - len(self.running))):
+            if prompts >= needed:
+                break
+            free -= -(-len(seq.token_ids) // self.block_size)
+            if free < 0:
+                break
+            prompts += 1
+        return prompts >= needed
 
     def _next_chunk_start(self) -> int:
         """Where the step's first prompt chunk starts in its prompt: the first running sequence still in prefill,

@@ -136,6 +136,20 @@ def test_a_prefill_burst_takes_the_token_budget_when_prompts_outnumber_decodes()
     assert chosen == {1: 1, 2: 1, 3: 1, 5: 3}
 
 
+def test_a_waiting_request_the_kv_cache_cannot_take_makes_no_burst():
+    sched = make_scheduler(num_blocks=40, budget=64, max_num_seqs=4)  # 39 usable blocks of 4 positions
+    sched.chunk_limit = lambda decodes, start: 3
+    sched.burst_ratio = 0.5
+    sched.add(make_seq(range(2), handle=1, max_output_tokens=100))
+    step(sched)  # a decoding stream
+    sched.add(make_seq(range(120), handle=2))  # 30 blocks: running, in prefill
+    assert step(sched)[0] == {1: 1, 2: 3}
+    sched.add(make_seq(range(150), handle=3))  # 38 blocks: it waits, admission cannot take it
+    for _ in range(3):  # so a lone prompt beside the decode still: the time budget
+        assert step(sched)[0] == {1: 1, 2: 3}
+    assert [seq.handle for seq in sched.waiting] == [3]
+
+
 def test_without_a_burst_ratio_every_prompt_chunk_keeps_the_time_budget():
     sched = make_scheduler(budget=64, max_num_seqs=4)
     sched.chunk_limit = lambda decodes, start: 3
