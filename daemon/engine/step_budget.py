@@ -60,8 +60,9 @@ float32 prefill-heavy closed loop on a 2-core AVX2 EPYC (``bench_closed_loop --t
 --setting prefill_burst_ratio=R``, alternating, two rounds): off 255.4 / 231.8 tok/s, TTFT p50 440 / 447 ms,
 TPOT p50 56.4 / 58.9 ms; 0.5: 255.5 / 285.6 tok/s, 1,983 / 1,857 ms, 44.5 / 41.4 ms; 1.0: 231.9 / 226.9, 2,375 /
 2,308 ms, 47.5 / 48.3 ms; 1.2 (TGI's ``waiting_served_ratio``): no burst at this cohort size, as off. A lone
-prompt beside decoding streams is never a burst (:data:`ringstream.daemon.engine.scheduler.MIN_BURST_PROMPTS`),
-so a long prompt's stall stays bounded by the time budget. Off on an accelerator: not measured there."""
+prompt beside decoding streams is never a burst (:data:`ringstream.daemon.engine.scheduler.MIN_BURST_PROMPTS`):
+it keeps its time-bounded chunks, though a second prompt the step can take makes the two a burst. Off on an
+accelerator: not measured there."""
 SMOOTHING = 0.2
 """Weight of the newest step in the moving estimates (they follow about the last five steps)."""
 ROW_PAIRS = 512

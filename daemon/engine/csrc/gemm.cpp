@@ -107,14 +107,11 @@ inline __m256 load_weights8(const c10::BFloat16* p) {
 
 // Both cache lines that a k-row of a 24-column panel (96 bytes of float32, 48 of bfloat16) can touch: its first
 // and its last byte.
-template <typename W>
-inline void prefetch_panel_row(const W* row, int hint) {
+template <bool kToL2, typename W>
+inline void prefetch_panel_row(const W* row) {
   const char* c = reinterpret_cast<const char*>(row);
-  if (hint == _MM_HINT_T0) {
-    _mm_prefetch(c, _MM_HINT_T0), _mm_prefetch(c + kPanelAvx2 * sizeof(W) - 1, _MM_HINT_T0);
-  } else {
-    _mm_prefetch(c, _MM_HINT_T1), _mm_prefetch(c + kPanelAvx2 * sizeof(W) - 1, _MM_HINT_T1);
-  }
+  _mm_prefetch(c, kToL2 ? _MM_HINT_T1 : _MM_HINT_T0);
+  _mm_prefetch(c + kPanelAvx2 * sizeof(W) - 1, kToL2 ? _MM_HINT_T1 : _MM_HINT_T0);
 }
 
 template <int MR, int FETCH, typename W>
@@ -130,11 +127,11 @@ inline void microkernel24(const float* x, int64_t ldx, const W* w, int64_t K, fl
     __m256 wv[V];
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) wv[v] = load_weights8(w + k * kPanelAvx2 + 8 * v);
-    if constexpr ((FETCH & kFetchAhead) != 0) prefetch_panel_row(w + (k + kAheadRows) * kPanelAvx2, _MM_HINT_T0);
+    if constexpr ((FETCH & kFetchAhead) != 0) prefetch_panel_row<false>(w + (k + kAheadRows) * kPanelAvx2);
     if constexpr ((FETCH & kFetchNext) != 0) {
       if (--next.countdown == 0) {  // one k-row of this block's slice of the next panel every `every` k-steps
         next.countdown = next.every;
-        if (next.row < next.end) prefetch_panel_row(next.row, _MM_HINT_T1);
+        if (next.row < next.end) prefetch_panel_row<true>(next.row);
         next.row += kPanelAvx2;
       }
     }
